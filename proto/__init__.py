@@ -1,0 +1,5 @@
+"""Protocol buffers spoken between Shepherd and the agents on its machines.
+
+The ``*_pb2`` modules are generated from the ``.proto`` files beside them by
+``python -m proto.generate``; a test checks that they match.
+"""

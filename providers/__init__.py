@@ -1,0 +1,117 @@
+"""The provider interface: where machines come from and how they are rebooted.
+
+A provider is the API of a bare-metal cloud, a set of BMCs, or the simulator.
+Shepherd asks it for its machines and free capacity, creates machines from
+capacity, and reboots machines whose agent went silent.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Availability(enum.StrEnum):
+    """Whether a provider machine is ours.
+
+    ``POSSIBLY_USED`` is for providers that cannot tell on their own; BMDB
+    decides: a machine BMDB knows is ours, any other is free capacity.
+    """
+
+    KNOWN_USED = "KnownUsed"
+    KNOWN_UNUSED = "KnownUnused"
+    POSSIBLY_USED = "PossiblyUsed"
+
+
+@dataclass(frozen=True)
+class ProviderMachine:
+    """One machine, or one slot of free capacity, as the provider sees it."""
+
+    provider_id: str
+    availability: Availability
+    # Where SSH reaches the machine; None while it is only capacity.
+    address: str | None = None
+    ssh_port: int = 22
+    location: str | None = None
+    # The provider's own word on the machine ("active", "provisioning", ...).
+    status: str | None = None
+
+
+class ProviderError(Exception):
+    """A provider call failed. ``retryable`` says whether trying again may help."""
+
+    retryable = True
+
+    def __init__(self, provider: str, message: str) -> None:
+        super().__init__(f"provider {provider}: {message}")
+        self.provider = provider
+
+
+class ProviderUnavailable(ProviderError):
+    """The provider did not answer, timed out or answered with a server error."""
+
+
+class ProviderProtocolError(ProviderError):
+    """The provider answered with something that is not what its API promises."""
+
+    retryable = False
+
+
+class MachineNotFound(ProviderError):
+    """The provider has no machine with that id."""
+
+    retryable = False
+
+    def __init__(self, provider: str, provider_id: str) -> None:
+        super().__init__(provider, f"no machine {provider_id!r}")
+        self.provider_id = provider_id
+
+
+class CapacityConflict(ProviderError):
+    """The capacity slot was taken by a different creation request."""
+
+    retryable = False
+
+
+class Provider(Protocol):
+    """What Shepherd needs of a source of machines.
+
+    Implementations are used from activities only: they do I/O.
+    """
+
+    @property
+    def type(self) -> str:
+        """Short name of the provider, part of workflow ids and BMDB keys (``sim``)."""
+        ...
+
+    def is_valid_id(self, provider_id: str) -> bool:
+        """Whether provider_id has the form this provider's ids have."""
+        ...
+
+    async def list_machines(self) -> list[ProviderMachine]:
+        """Every machine of ours and every slot of free capacity."""
+        ...
+
+    async def get_machine(self, provider_id: str) -> ProviderMachine:
+        """One machine; raises MachineNotFound if the provider has none with that id."""
+        ...
+
+    async def create_machine(
+        self, provider_id: str, idempotency_key: str, ssh_public_key: str
+    ) -> ProviderMachine:
+        """Create a machine from the free capacity slot provider_id.
+
+        Repeating the call with the same idempotency_key returns the machine the
+        first call created instead of creating another. ssh_public_key (OpenSSH
+        format) is installed for the SSH user.
+        """
+        ...
+
+    async def reboot_machine(self, provider_id: str) -> None:
+        """Power-cycle the machine."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...

@@ -1,0 +1,1 @@
+"""Shepherd: a bare-metal fleet manager on Temporal."""
