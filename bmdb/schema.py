@@ -1,0 +1,83 @@
+"""The BMDB tables, as SQLAlchemy Core metadata (the migrations create them)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import UUID
+
+metadata = MetaData()
+
+# A machine Shepherd manages, whatever its provider.
+machines = Table(
+    "machines",
+    metadata,
+    Column("machine_id", UUID(as_uuid=True), primary_key=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Where a machine comes from. A row is written before the provider is asked to
+# create the machine (status "creating"), so BMDB always knows of every machine
+# the provider may hold for us; the provider's answer turns it into "provided".
+machine_provided = Table(
+    "machine_provided",
+    metadata,
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("provider", Text, nullable=False),
+    Column("provider_id", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("address", Text),
+    Column("ssh_port", Integer),
+    Column("location", Text),
+    # The SSH host key seen at first contact (OpenSSH format); a different key
+    # later is refused until an operator resets this pin.
+    Column("ssh_host_key", Text),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("provider", "provider_id", name="machine_provided_provider_key"),
+)
+
+machine_agent_started = Table(
+    "machine_agent_started",
+    metadata,
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("agent_started_at", DateTime(timezone=True), nullable=False),
+    Column("agent_public_key", LargeBinary, nullable=False),
+)
+
+machine_agent_heartbeat = Table(
+    "machine_agent_heartbeat",
+    metadata,
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("agent_heartbeat_at", DateTime(timezone=True), nullable=False),
+)
+
+# Append-only log of every lifecycle step. Fleet-wide events (a refused
+# reconcile pass) have no machine.
+events = Table(
+    "events",
+    metadata,
+    Column("event_id", BigInteger, primary_key=True, autoincrement=True),
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE")),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("kind", Text, nullable=False),
+    Column("detail", Text, nullable=False, server_default=""),
+    Index("events_machine_at", "machine_id", "at"),
+)
+
+PROVIDED_STATUS_CREATING = "creating"
+PROVIDED_STATUS_PROVIDED = "provided"

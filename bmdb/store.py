@@ -1,0 +1,274 @@
+"""BMDB access: every query Shepherd runs against the machine database.
+
+Writes are upserts on natural keys, so an activity that runs twice leaves the
+same rows as one that ran once. Listing queries are single set-based
+statements: the fleet scale is 100,000 machines.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from bmdb.schema import (
+    PROVIDED_STATUS_CREATING,
+    PROVIDED_STATUS_PROVIDED,
+    events,
+    machine_agent_heartbeat,
+    machine_agent_started,
+    machine_provided,
+    machines,
+)
+
+
+class BMDBUnavailable(Exception):
+    """BMDB could not be reached or refused the connection."""
+
+
+@dataclass(frozen=True)
+class ProvidedMachine:
+    """A machine as BMDB knows it: who provides it and how far it got."""
+
+    machine_id: uuid.UUID
+    provider: str
+    provider_id: str
+    status: str
+
+
+@dataclass(frozen=True)
+class MachineRecord:
+    machine_id: uuid.UUID
+    provider: str
+    provider_id: str
+    status: str
+    address: str | None
+    ssh_port: int | None
+    location: str | None
+    ssh_host_key: str | None
+    agent_started_at: datetime | None
+    agent_public_key: bytes | None
+    agent_heartbeat_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Event:
+    machine_id: uuid.UUID | None
+    at: datetime
+    kind: str
+    detail: str
+
+
+def sqlalchemy_url(url: str) -> str:
+    """The SQLAlchemy URL for a ``postgresql://`` URL, with the psycopg 3 driver."""
+    if url.startswith("postgresql://"):
+        return "postgresql+psycopg://" + url[len("postgresql://"):]
+    if url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url[len("postgres://"):]
+    return url
+
+
+class BMDB:
+    """The machine database. One instance per process; it owns a connection pool."""
+
+    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+        self.url = url
+        self.engine: AsyncEngine = create_async_engine(
+            sqlalchemy_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+        )
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    async def ping(self) -> None:
+        """Raise BMDBUnavailable, naming the URL's host, when BMDB cannot be reached."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(select(1))
+        except (OperationalError, DBAPIError, OSError) as exc:
+            raise BMDBUnavailable(f"BMDB at {redact_url(self.url)} is unreachable: {exc}") from exc
+
+    # --- provided machines -------------------------------------------------
+
+    async def admit_machine(self, provider: str, provider_id: str) -> tuple[uuid.UUID, bool]:
+        """Record that Shepherd is about to bring (provider, provider_id) under management.
+
+        Returns the machine id and whether this call created the record; a
+        second call for the same machine returns the first call's id.
+        """
+        async with self.engine.begin() as conn:
+            existing = await self._machine_id_for(conn, provider, provider_id)
+            if existing is not None:
+                return existing, False
+            machine_id = uuid.uuid4()
+            await conn.execute(insert(machines).values(machine_id=machine_id))
+            inserted = await conn.execute(
+                pg_insert(machine_provided)
+                .values(machine_id=machine_id, provider=provider, provider_id=provider_id,
+                        status=PROVIDED_STATUS_CREATING)
+                .on_conflict_do_nothing(constraint="machine_provided_provider_key")
+                .returning(machine_provided.c.machine_id)
+            )
+            if inserted.first() is None:
+                # Another admission won the race; drop our machine row with the transaction.
+                await conn.rollback()
+            else:
+                await conn.execute(insert(events).values(
+                    machine_id=machine_id, kind="admitted",
+                    detail=f"{provider} machine {provider_id} taken under management"))
+                return machine_id, True
+        async with self.engine.connect() as conn:
+            existing = await self._machine_id_for(conn, provider, provider_id)
+        if existing is None:
+            raise RuntimeError(f"admission of {provider}/{provider_id} lost a race and found no record")
+        return existing, False
+
+    @staticmethod
+    async def _machine_id_for(conn: Any, provider: str, provider_id: str) -> uuid.UUID | None:
+        row = (await conn.execute(
+            select(machine_provided.c.machine_id).where(
+                machine_provided.c.provider == provider, machine_provided.c.provider_id == provider_id)
+        )).first()
+        return None if row is None else row.machine_id
+
+    async def record_provided(
+        self, machine_id: uuid.UUID, *, address: str | None, ssh_port: int | None, location: str | None
+    ) -> bool:
+        """Mark the machine as created by its provider; True the first time, which is logged."""
+        async with self.engine.begin() as conn:
+            previous = (await conn.execute(
+                select(machine_provided.c.status, machine_provided.c.provider, machine_provided.c.provider_id)
+                .where(machine_provided.c.machine_id == machine_id).with_for_update()
+            )).first()
+            if previous is None:
+                raise KeyError(f"BMDB has no provided record for machine {machine_id}")
+            await conn.execute(
+                update(machine_provided)
+                .where(machine_provided.c.machine_id == machine_id)
+                .values(status=PROVIDED_STATUS_PROVIDED, address=address, ssh_port=ssh_port,
+                        location=location, updated_at=func.now())
+            )
+            first_time = previous.status != PROVIDED_STATUS_PROVIDED
+            if first_time:
+                await conn.execute(insert(events).values(
+                    machine_id=machine_id, kind="provided",
+                    detail=f"{previous.provider} created {previous.provider_id} at {address}:{ssh_port}"
+                           f" in {location or 'an unknown location'}"))
+            return first_time
+
+    async def list_provided(self, provider: str) -> list[ProvidedMachine]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(machine_provided.c.machine_id, machine_provided.c.provider,
+                       machine_provided.c.provider_id, machine_provided.c.status)
+                .where(machine_provided.c.provider == provider)
+                .order_by(machine_provided.c.provider_id)
+            )
+            return [ProvidedMachine(r.machine_id, r.provider, r.provider_id, r.status) for r in rows]
+
+    async def get_machine(self, machine_id: uuid.UUID) -> MachineRecord | None:
+        rows = await self._machine_records(machine_provided.c.machine_id == machine_id)
+        return rows[0] if rows else None
+
+    async def list_machines(self) -> list[MachineRecord]:
+        return await self._machine_records(None)
+
+    async def _machine_records(self, condition: Any) -> list[MachineRecord]:
+        query = (
+            select(
+                machine_provided,
+                machine_agent_started.c.agent_started_at,
+                machine_agent_started.c.agent_public_key,
+                machine_agent_heartbeat.c.agent_heartbeat_at,
+            )
+            .select_from(
+                machine_provided
+                .outerjoin(machine_agent_started,
+                           machine_agent_started.c.machine_id == machine_provided.c.machine_id)
+                .outerjoin(machine_agent_heartbeat,
+                           machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id)
+            )
+            .order_by(machine_provided.c.provider, machine_provided.c.provider_id)
+        )
+        if condition is not None:
+            query = query.where(condition)
+        async with self.engine.connect() as conn:
+            return [
+                MachineRecord(
+                    machine_id=r.machine_id, provider=r.provider, provider_id=r.provider_id,
+                    status=r.status, address=r.address, ssh_port=r.ssh_port, location=r.location,
+                    ssh_host_key=r.ssh_host_key, agent_started_at=r.agent_started_at,
+                    agent_public_key=r.agent_public_key, agent_heartbeat_at=r.agent_heartbeat_at,
+                )
+                for r in await conn.execute(query)
+            ]
+
+    async def pin_host_key(self, machine_id: uuid.UUID, host_key: str) -> str:
+        """Pin the SSH host key if none is pinned yet; returns the pinned key."""
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(machine_provided)
+                .where(and_(machine_provided.c.machine_id == machine_id,
+                            machine_provided.c.ssh_host_key.is_(None)))
+                .values(ssh_host_key=host_key)
+            )
+            row = (await conn.execute(
+                select(machine_provided.c.ssh_host_key).where(machine_provided.c.machine_id == machine_id)
+            )).first()
+            if row is None:
+                raise KeyError(f"BMDB has no provided record for machine {machine_id}")
+            return str(row.ssh_host_key)
+
+    # --- agent ---------------------------------------------------------------
+
+    async def record_agent_started(self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> None:
+        statement = pg_insert(machine_agent_started).values(
+            machine_id=machine_id, agent_started_at=started_at, agent_public_key=public_key)
+        statement = statement.on_conflict_do_update(
+            index_elements=[machine_agent_started.c.machine_id],
+            set_={"agent_started_at": statement.excluded.agent_started_at,
+                  "agent_public_key": statement.excluded.agent_public_key},
+        )
+        async with self.engine.begin() as conn:
+            await conn.execute(statement)
+
+    # --- events ----------------------------------------------------------------
+
+    async def add_event(self, machine_id: uuid.UUID | None, kind: str, detail: str = "") -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(insert(events).values(machine_id=machine_id, kind=kind, detail=detail))
+
+    async def list_events(self, machine_id: uuid.UUID | None, limit: int = 100) -> list[Event]:
+        """Newest first; machine_id None lists fleet-wide events."""
+        condition = events.c.machine_id.is_(None) if machine_id is None else events.c.machine_id == machine_id
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(events).where(condition).order_by(events.c.at.desc(), events.c.event_id.desc())
+                .limit(limit))
+            return [Event(r.machine_id, r.at, r.kind, r.detail) for r in rows]
+
+    async def count_by_status(self) -> dict[str, int]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(machine_provided.c.status, func.count()).group_by(machine_provided.c.status))
+            counts: dict[str, int] = {str(status): int(n) for status, n in rows}
+            started = await conn.scalar(select(func.count()).select_from(machine_agent_started))
+            counts["agent_started"] = int(started or 0)
+            return counts
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+

@@ -1,0 +1,41 @@
+"""A local PostgreSQL for the embedded stack and the tests (the pgserver wheel)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class LocalPostgres:
+    """PostgreSQL on a Unix socket with its data under data_dir.
+
+    Several processes may open the same data_dir: they share one server, and
+    the last one to stop it stops it.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir.resolve()
+        self._server: Any = None
+
+    def start(self) -> str:
+        """Start (or join) the server and return its postgresql:// URL."""
+        import pgserver  # imported here: only the embedded stack needs it
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log.info("starting local PostgreSQL in %s", self.data_dir)
+        self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")
+        return str(self._server.get_uri())
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.cleanup()
+            self._server = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

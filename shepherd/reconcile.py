@@ -1,0 +1,119 @@
+"""The fleet reconcile decision, as a pure function of two listings.
+
+This is the Provisioner of Monogon's shepherd: bring free provider capacity
+under management, subject to a machine limit and a per-pass chunk, but only
+when the provider and BMDB agree on which machines are ours. Any disagreement
+means something outside Shepherd changed the fleet, and creating more machines
+on top of that would make it worse.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from bmdb.schema import PROVIDED_STATUS_CREATING
+from bmdb.store import ProvidedMachine
+from providers import Availability, ProviderMachine
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    provider_id: str
+    machine_id: uuid.UUID | None
+    problem: str
+
+    def __str__(self) -> str:
+        machine = f" (BMDB machine {self.machine_id})" if self.machine_id else ""
+        return f"{self.provider_id}{machine}: {self.problem}"
+
+
+@dataclass(frozen=True)
+class ReconcilePlan:
+    provider_count: int
+    bmdb_count: int
+    # Machines in BMDB, consistent with the provider, counted against the limit.
+    managed_count: int
+    # Free capacity to bring under management in this pass, in provider-id order.
+    to_create: list[ProviderMachine] = field(default_factory=list)
+    disagreements: list[Disagreement] = field(default_factory=list)
+    # BMDB rows whose provider id this provider could never have issued.
+    invalid_ids: list[str] = field(default_factory=list)
+    # Why nothing (more) is created, for logs and the fleet status.
+    note: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return bool(self.disagreements)
+
+
+def resolve_availability(
+    machine: ProviderMachine, in_bmdb: Callable[[str], bool], is_valid_id: Callable[[str], bool]
+) -> Availability:
+    """Turn PossiblyUsed into KnownUsed or KnownUnused: BMDB knows what is ours."""
+    if machine.availability is not Availability.POSSIBLY_USED:
+        return machine.availability
+    if not is_valid_id(machine.provider_id):
+        return Availability.KNOWN_UNUSED
+    return Availability.KNOWN_USED if in_bmdb(machine.provider_id) else Availability.KNOWN_UNUSED
+
+
+def plan_reconcile(
+    provider_machines: Sequence[ProviderMachine],
+    bmdb_machines: Sequence[ProvidedMachine],
+    *,
+    max_machines: int,
+    chunk_size: int,
+    is_valid_id: Callable[[str], bool],
+) -> ReconcilePlan:
+    """Decide one reconcile pass. max_machines 0 means no limit."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    if max_machines < 0:
+        raise ValueError(f"max_machines must not be negative, got {max_machines}")
+
+    invalid_ids = sorted(m.provider_id for m in bmdb_machines if not is_valid_id(m.provider_id))
+    bmdb = {m.provider_id: m for m in bmdb_machines if is_valid_id(m.provider_id)}
+
+    used: set[str] = set()
+    unused: dict[str, ProviderMachine] = {}
+    for machine in provider_machines:
+        availability = resolve_availability(machine, bmdb.__contains__, is_valid_id)
+        if availability is Availability.KNOWN_USED:
+            used.add(machine.provider_id)
+        else:
+            unused[machine.provider_id] = machine
+
+    disagreements = [
+        Disagreement(provider_id, None, "the provider says it is ours, BMDB has no record of it")
+        for provider_id in sorted(used - bmdb.keys())
+    ]
+    for provider_id, record in sorted(bmdb.items()):
+        if provider_id in used:
+            continue
+        # A machine admitted but not yet created is free capacity to the
+        # provider until its workflow creates it: that is no disagreement.
+        if record.status == PROVIDED_STATUS_CREATING and provider_id in unused:
+            continue
+        problem = (
+            "BMDB has it as provided, the provider lists it as free capacity"
+            if provider_id in unused
+            else "BMDB has it, the provider does not know it"
+        )
+        disagreements.append(Disagreement(provider_id, record.machine_id, problem))
+
+    base = ReconcilePlan(provider_count=len(provider_machines), bmdb_count=len(bmdb_machines),
+                         managed_count=len(bmdb), invalid_ids=invalid_ids)
+    if disagreements:
+        return replace(base, disagreements=disagreements,
+                       note=f"refused: provider and BMDB disagree on {len(disagreements)} machine(s)")
+    if max_machines and len(bmdb) >= max_machines:
+        return replace(base, note=f"at the limit of {max_machines} machines")
+    available = [m for provider_id, m in sorted(unused.items()) if provider_id not in bmdb]
+    if not available:
+        return replace(base, note="no free capacity")
+    wanted = min(len(available), chunk_size)
+    if max_machines:
+        wanted = min(wanted, max_machines - len(bmdb))
+    return replace(base, to_create=available[:wanted], note=f"creating {wanted} of {len(available)} free")

@@ -1,0 +1,215 @@
+"""Typed settings, read from ``SHEPHERD_*`` environment variables and checked at start.
+
+Every setting has a default that suits a production deployment; the embedded
+stack (``shepherd dev``) overrides the slow ones so a fleet comes up in minutes.
+A bad value is refused with an error that names the setting, before anything
+starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_args, get_type_hints
+
+from workflows.types import Backoff, LifecyclePolicy
+
+ENV_PREFIX = "SHEPHERD_"
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+class SettingsError(ValueError):
+    """A setting has a value Shepherd cannot run with."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"setting {setting} ({ENV_PREFIX}{setting.upper()}): {problem}")
+        self.setting = setting
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``1.5s``, ``250ms``, ``5m`` or ``4h``."""
+    match = _DURATION_RE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration (examples: 30s, 250ms, 5m, 4h)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+
+
+def _duration(default: float, doc: str) -> Any:
+    return field(default=default, metadata={"duration": True, "doc": doc})
+
+
+def _setting(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Temporal
+    temporal_address: str = _setting("localhost:7233", "Temporal frontend host:port")
+    temporal_namespace: str = _setting("default", "Temporal namespace")
+    task_queue: str = _setting("shepherd", "Task queue of all workflows and activities")
+
+    # BMDB
+    database_url: str | None = _setting(
+        None, "BMDB PostgreSQL URL (postgresql://...); unset: a local PostgreSQL under state_dir"
+    )
+    state_dir: Path = _setting(Path(".shepherd"), "Directory for local state (embedded PostgreSQL, keys)")
+
+    # Provider
+    provider: str = _setting("sim", "Provider type; 'sim' is the simulator")
+    sim_api_url: str = _setting("http://127.0.0.1:8800", "Base URL of the simulator's provider API")
+    provider_timeout: float = _duration(10.0, "Timeout of one provider API call")
+
+    # SSH and the agent
+    ssh_key_path: Path | None = _setting(None, "Shepherd's ed25519 SSH key; unset: state_dir/ssh_key")
+    ssh_user: str = _setting("root", "User Shepherd logs in as on machines")
+    ssh_connect_timeout: float = _duration(2.0, "Timeout of SSH connect, handshake and authentication")
+    ssh_exec_timeout: float = _duration(60.0, "Timeout of agent upload, start and reply")
+    agent_executable_path: Path | None = _setting(None, "Agent executable uploaded to machines")
+    agent_target_path: str = _setting("/root/agent", "Path on the machine the agent is uploaded to")
+    agent_endpoint: str = _setting("", "host:port the agent calls back (heartbeats)")
+    agent_endpoint_ca_certificate_path: Path | None = _setting(
+        None, "PEM CA certificate of the agent endpoint; unset: the agent uses its system trust store"
+    )
+
+    # Lifecycle back-offs (the seed's defaults)
+    agent_start_backoff_initial: float = _duration(300.0, "First wait after a failed agent start")
+    agent_start_backoff_maximum: float = _duration(4 * 3600.0, "Longest wait between agent starts")
+    agent_start_backoff_multiplier: float = _setting(1.2, "Growth of the agent-start wait")
+    provision_backoff_initial: float = _duration(60.0, "First wait after a failed provisioning")
+    provision_backoff_maximum: float = _duration(3600.0, "Longest wait between provisioning attempts")
+    provision_backoff_multiplier: float = _setting(1.2, "Growth of the provisioning wait")
+
+    # Fleet reconciliation (the seed's Provisioner)
+    max_machines: int = _setting(50, "Most machines brought under management; 0 for no limit")
+    chunk_size: int = _setting(20, "Most machines created in one reconcile pass")
+    reconcile_interval: float = _duration(60.0, "Time between reconcile passes (the schedule)")
+    device_creation_interval: float = _duration(5.0, "Time between two machine creations")
+
+    # Worker
+    max_concurrent_activities: int = _setting(200, "Activities one worker runs at once")
+    max_activities_per_second: float = _setting(0.0, "Activity rate limit of one worker; 0 for none")
+    max_concurrent_workflow_tasks: int = _setting(100, "Workflow tasks one worker runs at once")
+    shutdown_grace: float = _duration(10.0, "How long a stopping worker lets running activities finish")
+
+    @property
+    def agent_start_backoff(self) -> Backoff:
+        return Backoff(
+            self.agent_start_backoff_initial, self.agent_start_backoff_maximum, self.agent_start_backoff_multiplier
+        )
+
+    @property
+    def provision_backoff(self) -> Backoff:
+        return Backoff(
+            self.provision_backoff_initial, self.provision_backoff_maximum, self.provision_backoff_multiplier
+        )
+
+    @property
+    def lifecycle_policy(self) -> LifecyclePolicy:
+        return LifecyclePolicy(
+            provision_backoff=self.provision_backoff,
+            agent_start_backoff=self.agent_start_backoff,
+            provision_timeout=3 * self.provider_timeout + 30,
+            agent_start_timeout=self.provider_timeout + self.ssh_connect_timeout + self.ssh_exec_timeout + 30,
+        )
+
+    @property
+    def effective_ssh_key_path(self) -> Path:
+        return self.ssh_key_path or self.state_dir / "ssh_key"
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def check(self) -> Settings:
+        """Refuse values Shepherd cannot run with; returns self so calls chain."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("duration") and value <= 0:
+                raise SettingsError(f.name, f"must be a positive duration, got {value}")
+        for name in ("agent_start_backoff_multiplier", "provision_backoff_multiplier"):
+            if getattr(self, name) < 1.0:
+                raise SettingsError(name, f"must be at least 1.0, got {getattr(self, name)}")
+        for name, low in (("chunk_size", 1), ("max_machines", 0), ("max_concurrent_activities", 1),
+                          ("max_concurrent_workflow_tasks", 2), ("max_activities_per_second", 0)):
+            if getattr(self, name) < low:
+                raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")
+        if self.agent_start_backoff_maximum < self.agent_start_backoff_initial:
+            raise SettingsError("agent_start_backoff_maximum", "must not be below agent_start_backoff_initial")
+        if self.provision_backoff_maximum < self.provision_backoff_initial:
+            raise SettingsError("provision_backoff_maximum", "must not be below provision_backoff_initial")
+        if not self.agent_target_path.startswith("/"):
+            raise SettingsError("agent_target_path", f"must be an absolute path, got {self.agent_target_path!r}")
+        if self.provider != "sim":
+            raise SettingsError("provider", f"unknown provider {self.provider!r} (known: sim)")
+        if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgresql+")):
+            raise SettingsError("database_url", "must be a postgresql:// URL")
+        return self
+
+    def check_agent(self) -> Settings:
+        """What a worker that starts agents needs on top of check()."""
+        self.check()
+        if self.agent_executable_path is None:
+            raise SettingsError("agent_executable_path", "must be set to the agent executable to upload")
+        if not self.agent_executable_path.is_file():
+            raise SettingsError("agent_executable_path", f"{self.agent_executable_path} is not a readable file")
+        if not self.agent_endpoint:
+            raise SettingsError("agent_endpoint", "must be set to the host:port agents call back")
+        host, sep, port = self.agent_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SettingsError("agent_endpoint", f"must be host:port, got {self.agent_endpoint!r}")
+        ca = self.agent_endpoint_ca_certificate_path
+        if ca is not None and not ca.is_file():
+            raise SettingsError("agent_endpoint_ca_certificate_path", f"{ca} is not a readable file")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``SHEPHERD_<NAME>`` variables, then explicit overrides (CLI flags)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        hints = get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        for key in environ:
+            if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() not in known:
+                if key[len(ENV_PREFIX):].lower() in _NON_SETTING_VARIABLES:
+                    continue
+                raise SettingsError(key[len(ENV_PREFIX):].lower(), "is not a setting Shepherd knows")
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _convert(f.name, raw, hints[f.name], bool(f.metadata.get("duration")))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+# Variables with the prefix that belong to other parts (the agent, the simulator).
+_NON_SETTING_VARIABLES = frozenset({"agent_state_dir", "sim_machine_root"})
+
+
+def _convert(name: str, raw: str, hint: Any, duration: bool) -> Any:
+    text = raw.strip()
+    arguments = [a for a in get_args(hint) if a is not type(None)]
+    optional = len(arguments) < len(get_args(hint))
+    target = arguments[0] if arguments else hint
+    if optional and text == "":
+        return None
+    try:
+        if duration:
+            return parse_duration(text)
+        return target(text)
+    except ValueError as exc:
+        raise SettingsError(name, f"cannot use {raw!r}: {exc}") from None
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(environment variable, default, meaning) of every setting, for help texts and docs."""
+    return [
+        (ENV_PREFIX + f.name.upper(), "" if f.default is None else str(f.default), f.metadata.get("doc", ""))
+        for f in fields(Settings)
+    ]

@@ -1,0 +1,72 @@
+"""Session-wide real servers: PostgreSQL and a Temporal dev server.
+
+Each test that touches BMDB gets a database of its own, copied from a
+migrated template, so tests never see each other's rows.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+from temporalio.testing import WorkflowEnvironment
+
+from bmdb import migrate
+from bmdb.store import BMDB
+from shepherd.postgres import LocalPostgres
+from workflows.types import MACHINE_STAGE
+
+BIN = Path(sys.executable).parent
+TEMPLATE_DB = "bmdb_template"
+
+
+def database_url(server_url: str, database: str) -> str:
+    return make_url(server_url).set(database=database).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = LocalPostgres(tmp_path_factory.mktemp("postgres") / "data")
+    url = server.start()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+    migrate.upgrade(database_url(url, TEMPLATE_DB))
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def bmdb_url(postgres_server: str) -> str:
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
+    return database_url(postgres_server, name)
+
+
+@pytest.fixture
+async def bmdb(bmdb_url: str) -> AsyncIterator[BMDB]:
+    db = BMDB(bmdb_url, pool_size=2)
+    yield db
+    await db.close()
+
+
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(BIN / "temporal"), search_attributes=[MACHINE_STAGE],
+        dev_server_log_level="error",
+    )
+    yield env
+    await env.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(BIN / "temporal-test-server"))
+    yield env
+    await env.shutdown()

@@ -1,0 +1,96 @@
+"""BMDB on a real PostgreSQL: migrations and idempotent writes."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine
+
+from bmdb import migrate
+from bmdb.schema import metadata
+from bmdb.store import BMDB, BMDBUnavailable, redact_url, sqlalchemy_url
+
+
+def test_migrations_build_exactly_the_schema_the_code_uses(bmdb_url):
+    engine = create_engine(sqlalchemy_url(bmdb_url))
+    with engine.connect() as conn:
+        differences = compare_metadata(MigrationContext.configure(conn), metadata)
+    engine.dispose()
+    assert differences == []
+    assert migrate.current_revision(bmdb_url) == migrate.head_revision()
+
+
+def test_migrate_twice_is_harmless(bmdb_url):
+    migrate.upgrade(bmdb_url)
+    assert migrate.current_revision(bmdb_url) == migrate.head_revision()
+
+
+async def test_admission_is_idempotent_even_when_concurrent(bmdb):
+    results = await asyncio.gather(*(bmdb.admit_machine("sim", "node-0001") for _ in range(8)))
+    machine_ids = {machine_id for machine_id, _ in results}
+    assert len(machine_ids) == 1
+    assert sum(created for _, created in results) == 1
+    assert [m.provider_id for m in await bmdb.list_provided("sim")] == ["node-0001"]
+    events = await bmdb.list_events(machine_ids.pop())
+    assert [e.kind for e in events] == ["admitted"]
+
+
+async def test_same_provider_id_of_another_provider_is_another_machine(bmdb):
+    first, _ = await bmdb.admit_machine("sim", "node-0001")
+    second, _ = await bmdb.admit_machine("other", "node-0001")
+    assert first != second
+
+
+async def test_record_provided_logs_once(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    assert await bmdb.record_provided(machine_id, address="127.0.0.1", ssh_port=2222, location="rack-1")
+    assert not await bmdb.record_provided(machine_id, address="127.0.0.1", ssh_port=2222, location="rack-1")
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None
+    assert (record.status, record.address, record.ssh_port, record.location) == ("provided", "127.0.0.1", 2222,
+                                                                                    "rack-1")
+    assert [e.kind for e in await bmdb.list_events(machine_id)] == ["provided", "admitted"]
+
+
+async def test_record_provided_of_unknown_machine_is_an_error(bmdb):
+    import uuid
+
+    with pytest.raises(KeyError, match="no provided record"):
+        await bmdb.record_provided(uuid.uuid4(), address=None, ssh_port=None, location=None)
+
+
+async def test_host_key_pin_is_set_once(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    assert await bmdb.pin_host_key(machine_id, "ssh-ed25519 AAAAfirst") == "ssh-ed25519 AAAAfirst"
+    assert await bmdb.pin_host_key(machine_id, "ssh-ed25519 AAAAsecond") == "ssh-ed25519 AAAAfirst"
+
+
+async def test_agent_started_is_an_upsert(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await bmdb.record_agent_started(machine_id, datetime(2026, 1, 1, tzinfo=UTC), b"a" * 32)
+    await bmdb.record_agent_started(machine_id, datetime(2026, 1, 2, tzinfo=UTC), b"b" * 32)
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None
+    assert record.agent_public_key == b"b" * 32
+    assert record.agent_started_at == datetime(2026, 1, 2, tzinfo=UTC)
+    assert (await bmdb.count_by_status())["agent_started"] == 1
+
+
+async def test_unreachable_database_is_named_without_its_password(tmp_path):
+    url = f"postgresql://shepherd:s3cret@/nowhere?host={tmp_path}"
+    db = BMDB(url)
+    with pytest.raises(BMDBUnavailable) as caught:
+        await db.ping()
+    await db.close()
+    assert "s3cret" not in str(caught.value)
+    assert "unreachable" in str(caught.value)
+
+
+def test_redact_url():
+    assert redact_url("postgresql://u:pw@host:5432/db") == "postgresql://u:***@host:5432/db"
+    assert redact_url("postgresql://u@host/db") == "postgresql://u@host/db"
+    assert redact_url("postgresql://postgres:@/postgres?host=/tmp") == "postgresql://postgres:***@/postgres?host=/tmp"

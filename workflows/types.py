@@ -1,0 +1,170 @@
+"""Inputs, results and status of the workflows and their activities.
+
+Everything here travels as a Temporal payload and shows in the UI: ids,
+addresses and small facts only, never a key or an executable.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from temporalio.common import SearchAttributeKey
+
+MACHINE_WORKFLOW_TYPE = "MachineWorkflow"
+FLEET_WORKFLOW_TYPE = "FleetWorkflow"
+FLEET_SCHEDULE_ID = "shepherd-fleet"
+FLEET_WORKFLOW_ID = "shepherd-fleet"
+
+MACHINE_STAGE = SearchAttributeKey.for_keyword("MachineStage")
+
+
+class MachineStage(enum.StrEnum):
+    PROVISIONING = "PROVISIONING"
+    AGENT_STARTING = "AGENT_STARTING"
+    WATCHING = "WATCHING"
+    RECOVERING = "RECOVERING"
+
+
+def machine_workflow_id(provider: str, provider_id: str) -> str:
+    return f"machine-{provider}-{provider_id}"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Seconds to wait between failed attempts of one lifecycle step."""
+
+    initial: float
+    maximum: float
+    multiplier: float
+
+    def delay(self, failed_attempts: int) -> float:
+        return min(self.maximum, self.initial * self.multiplier ** max(0, failed_attempts - 1))
+
+
+@dataclass(frozen=True)
+class LifecyclePolicy:
+    provision_backoff: Backoff
+    agent_start_backoff: Backoff
+    # Bounds one activity attempt; the back-offs above space the attempts.
+    provision_timeout: float = 120.0
+    agent_start_timeout: float = 120.0
+
+
+# --- MachineWorkflow -----------------------------------------------------------
+
+
+@dataclass
+class AgentFacts:
+    started_at: str
+    key_fingerprint: str
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MachineInput:
+    provider: str
+    provider_id: str
+    machine_id: str
+    policy: LifecyclePolicy
+    # Set when the workflow continues as new: where to pick up.
+    resume_stage: MachineStage | None = None
+    agent: AgentFacts | None = None
+
+
+@dataclass
+class MachineStatus:
+    machine_id: str
+    provider: str
+    provider_id: str
+    stage: MachineStage
+    stage_since: str
+    # Attempts of the current stage's step; 0 once it succeeded.
+    attempts: int = 0
+    last_error: str | None = None
+    next_attempt_at: str | None = None
+    address: str | None = None
+    agent: AgentFacts | None = None
+
+
+@dataclass(frozen=True)
+class ProvisionInput:
+    provider: str
+    provider_id: str
+    machine_id: str
+    # Stable for the machine's whole life, so a retried create finds the first one.
+    idempotency_key: str
+
+
+@dataclass(frozen=True)
+class ProvisionResult:
+    address: str | None
+    ssh_port: int
+    location: str | None
+
+
+@dataclass(frozen=True)
+class StartAgentInput:
+    provider: str
+    provider_id: str
+    machine_id: str
+
+
+# --- FleetWorkflow -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetInput:
+    provider: str
+    max_machines: int
+    chunk_size: int
+    device_creation_interval: float
+
+
+@dataclass(frozen=True)
+class ReconcilePassInput:
+    provider: str
+    max_machines: int
+    chunk_size: int
+
+
+@dataclass
+class ReconcilePassPlan:
+    provider_count: int
+    bmdb_count: int
+    managed_count: int
+    to_create: list[str]
+    # At most a screenful, with the total in disagreement_count.
+    disagreements: list[str]
+    disagreement_count: int
+    note: str
+
+    @property
+    def refused(self) -> bool:
+        return self.disagreement_count > 0
+
+
+@dataclass(frozen=True)
+class AdmitInput:
+    provider: str
+    provider_id: str
+
+
+@dataclass(frozen=True)
+class EnsureWorkflowsInput:
+    provider: str
+
+
+@dataclass
+class EnsureWorkflowsResult:
+    machines: int
+    started: list[str]
+
+
+@dataclass
+class FleetPassResult:
+    started_at: str
+    plan: ReconcilePassPlan | None = None
+    admitted: list[str] = field(default_factory=list)
+    workflows_started: int = 0
+    error: str | None = None
