@@ -34,8 +34,7 @@ machines = Table(
 machine_provided = Table(
     "machine_provided",
     metadata,
-    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"),
-           primary_key=True),
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"), primary_key=True),
     Column("provider", Text, nullable=False),
     Column("provider_id", Text, nullable=False),
     Column("status", Text, nullable=False),
@@ -52,8 +51,7 @@ machine_provided = Table(
 machine_agent_started = Table(
     "machine_agent_started",
     metadata,
-    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"),
-           primary_key=True),
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"), primary_key=True),
     Column("agent_started_at", DateTime(timezone=True), nullable=False),
     Column("agent_public_key", LargeBinary, nullable=False),
 )
@@ -61,8 +59,7 @@ machine_agent_started = Table(
 machine_agent_heartbeat = Table(
     "machine_agent_heartbeat",
     metadata,
-    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"),
-           primary_key=True),
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"), primary_key=True),
     Column("agent_heartbeat_at", DateTime(timezone=True), nullable=False),
 )
 

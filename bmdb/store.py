@@ -68,9 +68,9 @@ class Event:
 def sqlalchemy_url(url: str) -> str:
     """The SQLAlchemy URL for a ``postgresql://`` URL, with the psycopg 3 driver."""
     if url.startswith("postgresql://"):
-        return "postgresql+psycopg://" + url[len("postgresql://"):]
+        return "postgresql+psycopg://" + url[len("postgresql://") :]
     if url.startswith("postgres://"):
-        return "postgresql+psycopg://" + url[len("postgres://"):]
+        return "postgresql+psycopg://" + url[len("postgres://") :]
     return url
 
 
@@ -110,8 +110,9 @@ class BMDB:
             await conn.execute(insert(machines).values(machine_id=machine_id))
             inserted = await conn.execute(
                 pg_insert(machine_provided)
-                .values(machine_id=machine_id, provider=provider, provider_id=provider_id,
-                        status=PROVIDED_STATUS_CREATING)
+                .values(
+                    machine_id=machine_id, provider=provider, provider_id=provider_id, status=PROVIDED_STATUS_CREATING
+                )
                 .on_conflict_do_nothing(constraint="machine_provided_provider_key")
                 .returning(machine_provided.c.machine_id)
             )
@@ -119,9 +120,13 @@ class BMDB:
                 # Another admission won the race; drop our machine row with the transaction.
                 await conn.rollback()
             else:
-                await conn.execute(insert(events).values(
-                    machine_id=machine_id, kind="admitted",
-                    detail=f"{provider} machine {provider_id} taken under management"))
+                await conn.execute(
+                    insert(events).values(
+                        machine_id=machine_id,
+                        kind="admitted",
+                        detail=f"{provider} machine {provider_id} taken under management",
+                    )
+                )
                 return machine_id, True
         async with self.engine.connect() as conn:
             existing = await self._machine_id_for(conn, provider, provider_id)
@@ -131,10 +136,13 @@ class BMDB:
 
     @staticmethod
     async def _machine_id_for(conn: Any, provider: str, provider_id: str) -> uuid.UUID | None:
-        row = (await conn.execute(
-            select(machine_provided.c.machine_id).where(
-                machine_provided.c.provider == provider, machine_provided.c.provider_id == provider_id)
-        )).first()
+        row = (
+            await conn.execute(
+                select(machine_provided.c.machine_id).where(
+                    machine_provided.c.provider == provider, machine_provided.c.provider_id == provider_id
+                )
+            )
+        ).first()
         return None if row is None else row.machine_id
 
     async def record_provided(
@@ -142,31 +150,47 @@ class BMDB:
     ) -> bool:
         """Mark the machine as created by its provider; True the first time, which is logged."""
         async with self.engine.begin() as conn:
-            previous = (await conn.execute(
-                select(machine_provided.c.status, machine_provided.c.provider, machine_provided.c.provider_id)
-                .where(machine_provided.c.machine_id == machine_id).with_for_update()
-            )).first()
+            previous = (
+                await conn.execute(
+                    select(machine_provided.c.status, machine_provided.c.provider, machine_provided.c.provider_id)
+                    .where(machine_provided.c.machine_id == machine_id)
+                    .with_for_update()
+                )
+            ).first()
             if previous is None:
                 raise KeyError(f"BMDB has no provided record for machine {machine_id}")
             await conn.execute(
                 update(machine_provided)
                 .where(machine_provided.c.machine_id == machine_id)
-                .values(status=PROVIDED_STATUS_PROVIDED, address=address, ssh_port=ssh_port,
-                        location=location, updated_at=func.now())
+                .values(
+                    status=PROVIDED_STATUS_PROVIDED,
+                    address=address,
+                    ssh_port=ssh_port,
+                    location=location,
+                    updated_at=func.now(),
+                )
             )
             first_time = previous.status != PROVIDED_STATUS_PROVIDED
             if first_time:
-                await conn.execute(insert(events).values(
-                    machine_id=machine_id, kind="provided",
-                    detail=f"{previous.provider} created {previous.provider_id} at {address}:{ssh_port}"
-                           f" in {location or 'an unknown location'}"))
+                await conn.execute(
+                    insert(events).values(
+                        machine_id=machine_id,
+                        kind="provided",
+                        detail=f"{previous.provider} created {previous.provider_id} at {address}:{ssh_port}"
+                        f" in {location or 'an unknown location'}",
+                    )
+                )
             return first_time
 
     async def list_provided(self, provider: str) -> list[ProvidedMachine]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
-                select(machine_provided.c.machine_id, machine_provided.c.provider,
-                       machine_provided.c.provider_id, machine_provided.c.status)
+                select(
+                    machine_provided.c.machine_id,
+                    machine_provided.c.provider,
+                    machine_provided.c.provider_id,
+                    machine_provided.c.status,
+                )
                 .where(machine_provided.c.provider == provider)
                 .order_by(machine_provided.c.provider_id)
             )
@@ -188,11 +212,11 @@ class BMDB:
                 machine_agent_heartbeat.c.agent_heartbeat_at,
             )
             .select_from(
-                machine_provided
-                .outerjoin(machine_agent_started,
-                           machine_agent_started.c.machine_id == machine_provided.c.machine_id)
-                .outerjoin(machine_agent_heartbeat,
-                           machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id)
+                machine_provided.outerjoin(
+                    machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
+                ).outerjoin(
+                    machine_agent_heartbeat, machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id
+                )
             )
             .order_by(machine_provided.c.provider, machine_provided.c.provider_id)
         )
@@ -201,10 +225,17 @@ class BMDB:
         async with self.engine.connect() as conn:
             return [
                 MachineRecord(
-                    machine_id=r.machine_id, provider=r.provider, provider_id=r.provider_id,
-                    status=r.status, address=r.address, ssh_port=r.ssh_port, location=r.location,
-                    ssh_host_key=r.ssh_host_key, agent_started_at=r.agent_started_at,
-                    agent_public_key=r.agent_public_key, agent_heartbeat_at=r.agent_heartbeat_at,
+                    machine_id=r.machine_id,
+                    provider=r.provider,
+                    provider_id=r.provider_id,
+                    status=r.status,
+                    address=r.address,
+                    ssh_port=r.ssh_port,
+                    location=r.location,
+                    ssh_host_key=r.ssh_host_key,
+                    agent_started_at=r.agent_started_at,
+                    agent_public_key=r.agent_public_key,
+                    agent_heartbeat_at=r.agent_heartbeat_at,
                 )
                 for r in await conn.execute(query)
             ]
@@ -214,13 +245,14 @@ class BMDB:
         async with self.engine.begin() as conn:
             await conn.execute(
                 update(machine_provided)
-                .where(and_(machine_provided.c.machine_id == machine_id,
-                            machine_provided.c.ssh_host_key.is_(None)))
+                .where(and_(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key.is_(None)))
                 .values(ssh_host_key=host_key)
             )
-            row = (await conn.execute(
-                select(machine_provided.c.ssh_host_key).where(machine_provided.c.machine_id == machine_id)
-            )).first()
+            row = (
+                await conn.execute(
+                    select(machine_provided.c.ssh_host_key).where(machine_provided.c.machine_id == machine_id)
+                )
+            ).first()
             if row is None:
                 raise KeyError(f"BMDB has no provided record for machine {machine_id}")
             return str(row.ssh_host_key)
@@ -229,11 +261,14 @@ class BMDB:
 
     async def record_agent_started(self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> None:
         statement = pg_insert(machine_agent_started).values(
-            machine_id=machine_id, agent_started_at=started_at, agent_public_key=public_key)
+            machine_id=machine_id, agent_started_at=started_at, agent_public_key=public_key
+        )
         statement = statement.on_conflict_do_update(
             index_elements=[machine_agent_started.c.machine_id],
-            set_={"agent_started_at": statement.excluded.agent_started_at,
-                  "agent_public_key": statement.excluded.agent_public_key},
+            set_={
+                "agent_started_at": statement.excluded.agent_started_at,
+                "agent_public_key": statement.excluded.agent_public_key,
+            },
         )
         async with self.engine.begin() as conn:
             await conn.execute(statement)
@@ -249,14 +284,15 @@ class BMDB:
         condition = events.c.machine_id.is_(None) if machine_id is None else events.c.machine_id == machine_id
         async with self.engine.connect() as conn:
             rows = await conn.execute(
-                select(events).where(condition).order_by(events.c.at.desc(), events.c.event_id.desc())
-                .limit(limit))
+                select(events).where(condition).order_by(events.c.at.desc(), events.c.event_id.desc()).limit(limit)
+            )
             return [Event(r.machine_id, r.at, r.kind, r.detail) for r in rows]
 
     async def count_by_status(self) -> dict[str, int]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
-                select(machine_provided.c.status, func.count()).group_by(machine_provided.c.status))
+                select(machine_provided.c.status, func.count()).group_by(machine_provided.c.status)
+            )
             counts: dict[str, int] = {str(status): int(n) for status, n in rows}
             started = await conn.scalar(select(func.count()).select_from(machine_agent_started))
             counts["agent_started"] = int(started or 0)
@@ -271,4 +307,3 @@ def redact_url(url: str) -> str:
     credentials, _, host = rest.rpartition("@")
     user = credentials.split(":", 1)[0]
     return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
-

@@ -6,6 +6,7 @@ migrated template, so tests never see each other's rows.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -14,6 +15,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
+from temporalio.client import Client
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from bmdb import migrate
@@ -58,7 +61,8 @@ async def bmdb(bmdb_url: str) -> AsyncIterator[BMDB]:
 @pytest.fixture(scope="session")
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(BIN / "temporal"), search_attributes=[MACHINE_STAGE],
+        dev_server_existing_path=str(BIN / "temporal"),
+        search_attributes=[MACHINE_STAGE],
         dev_server_log_level="error",
     )
     yield env
@@ -70,3 +74,39 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(BIN / "temporal-test-server"))
     yield env
     await env.shutdown()
+
+
+async def create_namespace(env: WorkflowEnvironment) -> Client:
+    """A client on a namespace of its own, with Shepherd's search attributes registered.
+
+    Workflow ids are unique per namespace, so tests that bring up the same
+    simulated machines (machine-sim-node-0001, ...) must not share one.
+    """
+    from google.protobuf.duration_pb2 import Duration
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+    from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    await env.client.workflow_service.register_namespace(
+        RegisterNamespaceRequest(namespace=name, workflow_execution_retention_period=Duration(seconds=86400))
+    )
+    await env.client.operator_service.add_search_attributes(
+        AddSearchAttributesRequest(
+            namespace=name, search_attributes={MACHINE_STAGE.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD}
+        )
+    )
+    client = await Client.connect(env.client.service_client.config.target_host, namespace=name)
+    # A new namespace takes a moment to reach every part of the server.
+    for _ in range(100):
+        try:
+            await client.count_workflows()
+            return client
+        except RPCError:
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"namespace {name} did not become usable")
+
+
+@pytest.fixture
+async def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
+    return await create_namespace(temporal_env)

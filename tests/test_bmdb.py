@@ -51,8 +51,12 @@ async def test_record_provided_logs_once(bmdb):
     assert not await bmdb.record_provided(machine_id, address="127.0.0.1", ssh_port=2222, location="rack-1")
     record = await bmdb.get_machine(machine_id)
     assert record is not None
-    assert (record.status, record.address, record.ssh_port, record.location) == ("provided", "127.0.0.1", 2222,
-                                                                                    "rack-1")
+    assert (record.status, record.address, record.ssh_port, record.location) == (
+        "provided",
+        "127.0.0.1",
+        2222,
+        "rack-1",
+    )
     assert [e.kind for e in await bmdb.list_events(machine_id)] == ["provided", "admitted"]
 
 

@@ -72,8 +72,9 @@ def test_nothing_created_at_the_limit():
 
 
 def test_nothing_created_without_capacity():
-    plan = plan_reconcile([in_provider(node(1), USED)], [in_bmdb(node(1))], max_machines=0, chunk_size=20,
-                          is_valid_id=valid)
+    plan = plan_reconcile(
+        [in_provider(node(1), USED)], [in_bmdb(node(1))], max_machines=0, chunk_size=20, is_valid_id=valid
+    )
     assert plan.to_create == [] and plan.note == "no free capacity"
 
 
@@ -94,16 +95,16 @@ def test_bmdb_machine_missing_in_provider_refuses_the_pass_and_names_it():
 
 
 def test_provided_machine_listed_as_free_capacity_is_a_disagreement():
-    plan = plan_reconcile([in_provider(node(1))], [in_bmdb(node(1))], max_machines=0, chunk_size=20,
-                          is_valid_id=valid)
+    plan = plan_reconcile([in_provider(node(1))], [in_bmdb(node(1))], max_machines=0, chunk_size=20, is_valid_id=valid)
     assert plan.refused
     assert "free capacity" in plan.disagreements[0].problem
 
 
 def test_admitted_machine_not_yet_created_counts_as_managed_not_as_capacity():
     provider = [in_provider(node(1)), in_provider(node(2))]
-    plan = plan_reconcile(provider, [in_bmdb(node(1), PROVIDED_STATUS_CREATING)], max_machines=0, chunk_size=20,
-                          is_valid_id=valid)
+    plan = plan_reconcile(
+        provider, [in_bmdb(node(1), PROVIDED_STATUS_CREATING)], max_machines=0, chunk_size=20, is_valid_id=valid
+    )
     assert not plan.refused
     assert [m.provider_id for m in plan.to_create] == [node(2)]
     assert plan.managed_count == 1
@@ -117,8 +118,9 @@ def test_possibly_used_machine_known_to_bmdb_is_managed():
 
 
 def test_bmdb_rows_with_invalid_ids_are_reported_and_ignored():
-    plan = plan_reconcile([in_provider(node(1))], [in_bmdb("garbage")], max_machines=0, chunk_size=20,
-                          is_valid_id=valid)
+    plan = plan_reconcile(
+        [in_provider(node(1))], [in_bmdb("garbage")], max_machines=0, chunk_size=20, is_valid_id=valid
+    )
     assert plan.invalid_ids == ["garbage"]
     assert not plan.refused
     assert [m.provider_id for m in plan.to_create] == [node(1)]
@@ -126,5 +128,5 @@ def test_bmdb_rows_with_invalid_ids_are_reported_and_ignored():
 
 @pytest.mark.parametrize(("max_machines", "chunk_size"), [(-1, 1), (0, 0)])
 def test_bad_limits_are_refused(max_machines, chunk_size):
-    with pytest.raises(ValueError, match="max_machines|chunk_size"):
+    with pytest.raises(ValueError, match=r"max_machines|chunk_size"):
         plan_reconcile([], [], max_machines=max_machines, chunk_size=chunk_size, is_valid_id=valid)

@@ -19,16 +19,23 @@ def test_defaults_are_the_seeds():
 
 
 def test_environment_values_are_typed():
-    settings = Settings.from_env({"SHEPHERD_SSH_EXEC_TIMEOUT": "2m", "SHEPHERD_MAX_MACHINES": "7",
-                                  "SHEPHERD_STATE_DIR": "/var/lib/shepherd", "SHEPHERD_DATABASE_URL": ""})
+    settings = Settings.from_env(
+        {
+            "SHEPHERD_SSH_EXEC_TIMEOUT": "2m",
+            "SHEPHERD_MAX_MACHINES": "7",
+            "SHEPHERD_STATE_DIR": "/var/lib/shepherd",
+            "SHEPHERD_DATABASE_URL": "",
+        }
+    )
     assert settings.ssh_exec_timeout == 120.0
     assert settings.max_machines == 7
     assert settings.state_dir == Path("/var/lib/shepherd")
     assert settings.database_url is None
 
 
-@pytest.mark.parametrize("text, seconds", [("90", 90.0), ("1.5s", 1.5), ("250ms", 0.25), ("5m", 300.0),
-                                           ("4h", 14400.0)])
+@pytest.mark.parametrize(
+    "text, seconds", [("90", 90.0), ("1.5s", 1.5), ("250ms", 0.25), ("5m", 300.0), ("4h", 14400.0)]
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -63,10 +70,12 @@ def test_agent_settings_are_required_by_a_worker(tmp_path):
     with pytest.raises(SettingsError, match="agent_endpoint"):
         Settings.from_env({"SHEPHERD_AGENT_EXECUTABLE_PATH": str(agent)}).check_agent()
     with pytest.raises(SettingsError, match="agent_executable_path"):
-        Settings.from_env({"SHEPHERD_AGENT_EXECUTABLE_PATH": str(tmp_path / "missing"),
-                           "SHEPHERD_AGENT_ENDPOINT": "h:1"}).check_agent()
+        Settings.from_env(
+            {"SHEPHERD_AGENT_EXECUTABLE_PATH": str(tmp_path / "missing"), "SHEPHERD_AGENT_ENDPOINT": "h:1"}
+        ).check_agent()
     with pytest.raises(SettingsError, match="agent_endpoint"):
-        Settings.from_env({"SHEPHERD_AGENT_EXECUTABLE_PATH": str(agent),
-                           "SHEPHERD_AGENT_ENDPOINT": "no-port"}).check_agent()
+        Settings.from_env(
+            {"SHEPHERD_AGENT_EXECUTABLE_PATH": str(agent), "SHEPHERD_AGENT_ENDPOINT": "no-port"}
+        ).check_agent()
     ok = Settings.from_env({"SHEPHERD_AGENT_EXECUTABLE_PATH": str(agent), "SHEPHERD_AGENT_ENDPOINT": "h:443"})
     assert ok.check_agent() is ok

@@ -18,7 +18,9 @@ depends_on = None
 
 def _machine_fk() -> sa.Column:
     return sa.Column(
-        "machine_id", UUID(as_uuid=True), sa.ForeignKey("machines.machine_id", ondelete="CASCADE"),
+        "machine_id",
+        UUID(as_uuid=True),
+        sa.ForeignKey("machines.machine_id", ondelete="CASCADE"),
         primary_key=True,
     )
 

@@ -1,0 +1,216 @@
+"""The fleet coming up end to end: FleetWorkflow, MachineWorkflows, simulator, BMDB, SSH."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from activities.workflow_start import start_machine_workflow
+from bmdb.store import BMDB
+from shepherd.dev import settings_environment
+from tests.fleet_stack import fleet_stack
+from worker import fleet_input
+from workflows.types import MACHINE_STAGE, MachineStage
+
+
+def nodes(count: int) -> list[str]:
+    return [f"node-{n:04d}" for n in range(1, count + 1)]
+
+
+async def sim_admin(stack_or_url: Any, path: str, payload: dict[str, Any] | None = None) -> Any:
+    url = stack_or_url if isinstance(stack_or_url, str) else stack_or_url.simulator.api_url
+    async with aiohttp.ClientSession() as session:
+        if payload is None:
+            async with session.get(url + path) as response:
+                response.raise_for_status()
+                return await response.json()
+        async with session.post(url + path, json=payload) as response:
+            response.raise_for_status()
+            return await response.json()
+
+
+async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=4) as stack:
+        result = await stack.run_pass()
+        assert result.admitted == nodes(4)
+        await stack.wait_for_stage(nodes(4), MachineStage.WATCHING)
+
+        records = await bmdb.list_machines()
+        assert [r.provider_id for r in records] == nodes(4)
+        for record in records:
+            assert record.status == "provided"
+            assert record.agent_public_key is not None and len(record.agent_public_key) == 32
+            assert record.ssh_host_key and record.ssh_host_key.startswith("ssh-ed25519 ")
+            status = await stack.status(record.provider_id)
+            assert status.machine_id == str(record.machine_id)
+            assert status.agent is not None and status.agent.key_fingerprint.startswith("SHA256:")
+            kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
+            assert kinds == ["agent_started", "provided", "admitted"]
+
+        again = await stack.run_pass()
+        assert again.admitted == [] and again.workflows_started == 0
+        assert again.plan is not None and again.plan.note == "no free capacity"
+
+        # The stage is a search attribute the UI (and we) can filter on.
+        description = await stack.machine("node-0001").describe()
+        assert description.typed_search_attributes.get(MACHINE_STAGE) == "WATCHING"
+
+
+async def test_max_machines_and_chunk_size_bound_each_pass(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=6, max_machines=3, chunk_size=2) as stack:
+        assert (await stack.run_pass()).admitted == nodes(2)
+        assert (await stack.run_pass()).admitted == ["node-0003"]
+        third = await stack.run_pass()
+        assert third.admitted == []
+        assert third.plan is not None and "limit of 3" in third.plan.note
+        await stack.wait_for_stage(nodes(3), MachineStage.WATCHING)
+        assert len(await bmdb.list_provided("sim")) == 3
+
+
+async def test_disagreement_stops_the_pass_and_names_the_machine(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=3) as stack:
+        # Someone else takes a machine from the provider behind Shepherd's back.
+        provider = stack.deps.provider("sim")
+        await provider.create_machine("node-0002", "someone-else", stack.deps.ssh_public_key)
+        with pytest.raises(WorkflowFailureError) as caught:
+            await stack.run_pass()
+        message = str(caught.value.cause)
+        assert "disagree" in message and "node-0002" in message
+        assert await bmdb.list_provided("sim") == []
+        fleet_events = await bmdb.list_events(None)
+        assert fleet_events[0].kind == "reconcile_refused" and "node-0002" in fleet_events[0].detail
+        assert (await sim_admin(stack, "/admin/state"))["creations"] == {"node-0002": 1}
+
+
+async def test_a_bmdb_machine_without_workflow_gets_one(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, max_machines=1) as stack:
+        # Admitted, then the worker died before starting the workflow.
+        await bmdb.admit_machine("sim", "node-0002")
+        result = await stack.run_pass()
+        assert result.admitted == [] and result.workflows_started == 1
+        await stack.wait_for_stage(["node-0002"], MachineStage.WATCHING)
+
+
+async def test_agent_error_reaches_status_and_events_and_is_retried(tmp_path, temporal_client, bmdb_url, bmdb):
+    failing_agent = tmp_path / "failing-agent"
+    failing_agent.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\nsys.stdin.buffer.read()\n"
+        "from proto import takeover_pb2\n"
+        "r = takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message='disk on fire'))\n"
+        "sys.stdout.buffer.write(r.SerializeToString())\n"
+    )
+    failing_agent.chmod(0o755)
+    async with fleet_stack(
+        tmp_path, temporal_client, bmdb_url, machines=1, agent_executable_path=failing_agent
+    ) as stack:
+        await stack.run_pass()
+        for _ in range(300):
+            status = await stack.status("node-0001")
+            if status.attempts >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert status.stage is MachineStage.AGENT_STARTING
+        assert status.attempts >= 2
+        assert status.last_error is not None and "disk on fire" in status.last_error
+        assert status.last_error.startswith("AGENT_ERROR")
+        record = (await bmdb.list_machines())[0]
+        failures = [e for e in await bmdb.list_events(record.machine_id) if e.kind == "agent_start_failed"]
+        assert failures and "disk on fire" in failures[0].detail
+        assert record.agent_started_at is None
+
+
+async def test_ssh_refused_is_retried_until_the_machine_answers(tmp_path, temporal_client, bmdb_url):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
+        await sim_admin(stack, "/admin/faults", {"ssh_refuse": ["*"]})
+        await stack.run_pass()
+        for _ in range(300):
+            status = await stack.status("node-0001")
+            if status.last_error:
+                break
+            await asyncio.sleep(0.1)
+        assert status.stage is MachineStage.AGENT_STARTING
+        assert status.last_error is not None and "CONNECT_REFUSED" in status.last_error
+        await sim_admin(stack, "/admin/faults", {"ssh_refuse": []})
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+
+
+async def test_malformed_provider_answers_are_reported_and_retried(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
+        machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+        await sim_admin(stack, "/admin/faults", {"api_malformed_rate": 1.0})
+        await start_machine_workflow(stack.client, stack.settings, "sim", "node-0001", str(machine_id))
+        for _ in range(300):
+            status = await stack.status("node-0001")
+            if status.last_error:
+                break
+            await asyncio.sleep(0.1)
+        assert status.stage is MachineStage.PROVISIONING
+        assert status.last_error is not None and status.last_error.startswith("ProviderProtocolError")
+        await sim_admin(stack, "/admin/faults", {"api_malformed_rate": 0.0})
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+
+
+async def test_worker_killed_mid_fleet_leaves_no_duplicate_and_no_orphan(tmp_path, temporal_client, bmdb_url):
+    machines = 8
+    async with fleet_stack(
+        tmp_path,
+        temporal_client,
+        bmdb_url,
+        machines=machines,
+        run_worker=False,
+        sim_options={"exec_delay": 0.5},
+        provider_timeout=2.0,
+        ssh_exec_timeout=5.0,
+        device_creation_interval=0.1,
+        reconcile_interval=3600.0,
+    ) as stack:
+        env = {**os.environ, **settings_environment(stack.settings), "SHEPHERD_DATABASE_URL": bmdb_url}
+
+        def start_worker() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "shepherd", "worker"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=(tmp_path / "worker.log").open("ab"),
+            )
+
+        first = start_worker()
+        fleet = await stack.client.start_workflow(
+            "FleetWorkflow", fleet_input(stack.settings), id="fleet-crash", task_queue=stack.settings.task_queue
+        )
+        # Kill the worker once some machines are taken over and others are not.
+        bmdb = BMDB(bmdb_url, pool_size=1)
+        try:
+            for _ in range(600):
+                counts = await bmdb.count_by_status()
+                if counts.get("agent_started", 0) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert 0 < counts.get("agent_started", 0) < machines, counts
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+
+            second = start_worker()
+            try:
+                await fleet.result()
+                await stack.wait_for_stage(nodes(machines), MachineStage.WATCHING, limit=120)
+            finally:
+                second.send_signal(signal.SIGTERM)
+                assert second.wait(30) == 0
+
+            state = await sim_admin(stack, "/admin/state")
+            assert state["creations"] == {node: 1 for node in nodes(machines)}
+            records = await bmdb.list_machines()
+            assert sorted(r.provider_id for r in records) == nodes(machines)
+            assert all(r.status == "provided" and r.agent_public_key for r in records)
+        finally:
+            await bmdb.close()
