@@ -97,9 +97,7 @@ class Provider(Protocol):
         """One machine; raises MachineNotFound if the provider has none with that id."""
         ...
 
-    async def create_machine(
-        self, provider_id: str, idempotency_key: str, ssh_public_key: str
-    ) -> ProviderMachine:
+    async def create_machine(self, provider_id: str, idempotency_key: str, ssh_public_key: str) -> ProviderMachine:
         """Create a machine from the free capacity slot provider_id.
 
         Repeating the call with the same idempotency_key returns the machine the

@@ -103,11 +103,18 @@ def plan_reconcile(
         )
         disagreements.append(Disagreement(provider_id, record.machine_id, problem))
 
-    base = ReconcilePlan(provider_count=len(provider_machines), bmdb_count=len(bmdb_machines),
-                         managed_count=len(bmdb), invalid_ids=invalid_ids)
+    base = ReconcilePlan(
+        provider_count=len(provider_machines),
+        bmdb_count=len(bmdb_machines),
+        managed_count=len(bmdb),
+        invalid_ids=invalid_ids,
+    )
     if disagreements:
-        return replace(base, disagreements=disagreements,
-                       note=f"refused: provider and BMDB disagree on {len(disagreements)} machine(s)")
+        return replace(
+            base,
+            disagreements=disagreements,
+            note=f"refused: provider and BMDB disagree on {len(disagreements)} machine(s)",
+        )
     if max_machines and len(bmdb) >= max_machines:
         return replace(base, note=f"at the limit of {max_machines} machines")
     available = [m for provider_id, m in sorted(unused.items()) if provider_id not in bmdb]

@@ -135,8 +135,13 @@ class Settings:
         for name in ("agent_start_backoff_multiplier", "provision_backoff_multiplier"):
             if getattr(self, name) < 1.0:
                 raise SettingsError(name, f"must be at least 1.0, got {getattr(self, name)}")
-        for name, low in (("chunk_size", 1), ("max_machines", 0), ("max_concurrent_activities", 1),
-                          ("max_concurrent_workflow_tasks", 2), ("max_activities_per_second", 0)):
+        for name, low in (
+            ("chunk_size", 1),
+            ("max_machines", 0),
+            ("max_concurrent_activities", 1),
+            ("max_concurrent_workflow_tasks", 2),
+            ("max_activities_per_second", 0),
+        ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")
         if self.agent_start_backoff_maximum < self.agent_start_backoff_initial:
@@ -176,10 +181,10 @@ class Settings:
         hints = get_type_hints(cls)
         known = {f.name for f in fields(cls)}
         for key in environ:
-            if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() not in known:
-                if key[len(ENV_PREFIX):].lower() in _NON_SETTING_VARIABLES:
+            if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() not in known:
+                if key[len(ENV_PREFIX) :].lower() in _NON_SETTING_VARIABLES:
                     continue
-                raise SettingsError(key[len(ENV_PREFIX):].lower(), "is not a setting Shepherd knows")
+                raise SettingsError(key[len(ENV_PREFIX) :].lower(), "is not a setting Shepherd knows")
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None:

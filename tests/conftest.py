@@ -72,8 +72,21 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 @pytest.fixture(scope="session")
 async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(BIN / "temporal-test-server"))
+    await register_search_attributes(env.client, env.client.namespace)
     yield env
     await env.shutdown()
+
+
+async def register_search_attributes(client: Client, namespace: str) -> None:
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+
+    await client.operator_service.add_search_attributes(
+        AddSearchAttributesRequest(
+            namespace=namespace,
+            search_attributes={MACHINE_STAGE.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD},
+        )
+    )
 
 
 async def create_namespace(env: WorkflowEnvironment) -> Client:
@@ -83,19 +96,13 @@ async def create_namespace(env: WorkflowEnvironment) -> Client:
     simulated machines (machine-sim-node-0001, ...) must not share one.
     """
     from google.protobuf.duration_pb2 import Duration
-    from temporalio.api.enums.v1 import IndexedValueType
-    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
     from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 
     name = f"test-{uuid.uuid4().hex[:10]}"
     await env.client.workflow_service.register_namespace(
         RegisterNamespaceRequest(namespace=name, workflow_execution_retention_period=Duration(seconds=86400))
     )
-    await env.client.operator_service.add_search_attributes(
-        AddSearchAttributesRequest(
-            namespace=name, search_attributes={MACHINE_STAGE.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD}
-        )
-    )
+    await register_search_attributes(env.client, name)
     client = await Client.connect(env.client.service_client.config.target_host, namespace=name)
     # A new namespace takes a moment to reach every part of the server.
     for _ in range(100):

@@ -16,6 +16,7 @@ from temporalio.client import WorkflowFailureError
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from shepherd.dev import settings_environment
+from simulator import Faults
 from tests.fleet_stack import fleet_stack
 from worker import fleet_input
 from workflows.types import MACHINE_STAGE, MachineStage
@@ -167,7 +168,7 @@ async def test_worker_killed_mid_fleet_leaves_no_duplicate_and_no_orphan(tmp_pat
         bmdb_url,
         machines=machines,
         run_worker=False,
-        sim_options={"exec_delay": 0.5},
+        sim_faults=Faults(exec_delay=0.5),
         provider_timeout=2.0,
         ssh_exec_timeout=5.0,
         device_creation_interval=0.1,

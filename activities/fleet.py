@@ -1,0 +1,97 @@
+"""Activities of the fleet reconcile pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from temporalio import activity
+
+from activities.deps import ActivityDeps, provider_errors
+from activities.workflow_start import start_machine_workflow
+from shepherd.reconcile import plan_reconcile
+from workflows.types import (
+    MACHINE_WORKFLOW_TYPE,
+    AdmitInput,
+    EnsureWorkflowsInput,
+    EnsureWorkflowsResult,
+    ReconcilePassInput,
+    ReconcilePassPlan,
+    machine_workflow_id,
+)
+
+log = logging.getLogger(__name__)
+
+# How many disagreeing machines a pass names in its result; the event log and
+# the worker's log name them all.
+_DISAGREEMENTS_SHOWN = 20
+
+
+class FleetActivities:
+    def __init__(self, deps: ActivityDeps) -> None:
+        self.deps = deps
+
+    @activity.defn
+    async def plan_reconcile_pass(self, input: ReconcilePassInput) -> ReconcilePassPlan:
+        """List provider and BMDB in parallel and decide what this pass creates."""
+        provider = self.deps.provider(input.provider)
+        async with provider_errors():
+            in_provider, in_bmdb = await asyncio.gather(
+                provider.list_machines(), self.deps.bmdb.list_provided(input.provider)
+            )
+        plan = plan_reconcile(
+            in_provider,
+            in_bmdb,
+            max_machines=input.max_machines,
+            chunk_size=input.chunk_size,
+            is_valid_id=provider.is_valid_id,
+        )
+        for provider_id in plan.invalid_ids:
+            log.error("BMDB has %s machine with an id the provider never issues: %r", input.provider, provider_id)
+        disagreements = [str(d) for d in plan.disagreements]
+        if disagreements:
+            detail = f"{plan.note}: " + "; ".join(disagreements)
+            log.error("reconcile pass %s", detail)
+            await self.deps.bmdb.add_event(None, "reconcile_refused", detail)
+        else:
+            log.info("reconcile pass: %d in provider, %d in BMDB, %s", plan.provider_count, plan.bmdb_count, plan.note)
+        return ReconcilePassPlan(
+            provider_count=plan.provider_count,
+            bmdb_count=plan.bmdb_count,
+            managed_count=plan.managed_count,
+            to_create=[m.provider_id for m in plan.to_create],
+            disagreements=disagreements[:_DISAGREEMENTS_SHOWN],
+            disagreement_count=len(disagreements),
+            note=plan.note,
+        )
+
+    @activity.defn
+    async def admit_machine(self, input: AdmitInput) -> str:
+        """Record the machine in BMDB, then start its workflow; returns the machine id."""
+        machine_id, _ = await self.deps.bmdb.admit_machine(input.provider, input.provider_id)
+        await start_machine_workflow(
+            self.deps.client, self.deps.settings, input.provider, input.provider_id, str(machine_id)
+        )
+        return str(machine_id)
+
+    @activity.defn
+    async def ensure_machine_workflows(self, input: EnsureWorkflowsInput) -> EnsureWorkflowsResult:
+        """Start the workflow of every BMDB machine that has none running."""
+        in_bmdb = await self.deps.bmdb.list_provided(input.provider)
+        running: set[str] = set()
+        query = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
+        async for execution in self.deps.client.list_workflows(query):
+            running.add(execution.id)
+        started = []
+        for machine in in_bmdb:
+            if machine_workflow_id(input.provider, machine.provider_id) in running:
+                continue
+            activity.heartbeat(machine.provider_id)
+            # Visibility lags behind starts, so "not listed" may still be running:
+            # start_machine_workflow tells the two apart.
+            if await start_machine_workflow(
+                self.deps.client, self.deps.settings, input.provider, machine.provider_id, str(machine.machine_id)
+            ):
+                log.info("started the missing workflow of %s machine %s", input.provider, machine.provider_id)
+                started.append(machine.provider_id)
+        return EnsureWorkflowsResult(machines=len(in_bmdb), started=started)

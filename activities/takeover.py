@@ -1,0 +1,92 @@
+"""AGENT_STARTING: start the takeover agent over SSH and record its key."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import uuid
+from datetime import UTC, datetime
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.deps import ActivityDeps, provider_errors
+from agent.takeover import TakeoverError, TakeoverSettings, TakeoverTarget, take_over
+from bmdb.store import MachineRecord
+from workflows.types import AgentFacts, StartAgentInput
+
+log = logging.getLogger(__name__)
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """OpenSSH-style SHA256 fingerprint of a raw ed25519 public key."""
+    digest = base64.b64encode(hashlib.sha256(public_key).digest()).decode().rstrip("=")
+    return f"SHA256:{digest}"
+
+
+def _facts(started_at: datetime, public_key: bytes, warnings: list[str]) -> AgentFacts:
+    return AgentFacts(started_at=started_at.isoformat(), key_fingerprint=key_fingerprint(public_key), warnings=warnings)
+
+
+class TakeoverActivities:
+    def __init__(self, deps: ActivityDeps) -> None:
+        self.deps = deps
+        settings = deps.settings
+        self.takeover_settings = TakeoverSettings(
+            agent_executable=deps.agent_executable,
+            target_path=settings.agent_target_path,
+            endpoint=settings.agent_endpoint,
+            ca_certificate=deps.ca_certificate,
+            connect_timeout=settings.ssh_connect_timeout,
+            exec_timeout=settings.ssh_exec_timeout,
+        )
+
+    @activity.defn
+    async def start_agent(self, input: StartAgentInput) -> AgentFacts:
+        """Upload and run the agent; record its key. Safe to run again."""
+        machine_id = uuid.UUID(input.machine_id)
+        record = await self._record(machine_id)
+        if record.agent_started_at is not None and record.agent_public_key is not None:
+            # An earlier attempt started the agent and its reply was lost.
+            return _facts(record.agent_started_at, record.agent_public_key, [])
+
+        async with provider_errors():
+            machine = await self.deps.provider(input.provider).get_machine(input.provider_id)
+        if machine.address is None:
+            raise ApplicationError(
+                f"{input.provider} machine {input.provider_id} has no address",
+                type="MachineNotReady",
+                non_retryable=True,
+            )
+        target = TakeoverTarget(
+            machine_id=input.machine_id,
+            address=machine.address,
+            port=machine.ssh_port,
+            username=self.deps.settings.ssh_user,
+            pinned_host_key=record.ssh_host_key,
+        )
+        try:
+            result = await take_over(target, self.takeover_settings, self.deps.ssh_key)
+        except TakeoverError as error:
+            await self.deps.bmdb.add_event(machine_id, "agent_start_failed", str(error))
+            # The workflow's back-off decides when to try again, as the seed's does.
+            raise ApplicationError(str(error), type=error.failure.name, non_retryable=True) from error
+
+        if record.ssh_host_key is None:
+            await self.deps.bmdb.pin_host_key(machine_id, result.host_key)
+        started_at = datetime.now(UTC)
+        await self.deps.bmdb.record_agent_started(machine_id, started_at, result.agent_public_key)
+        facts = _facts(started_at, result.agent_public_key, list(result.warnings))
+        detail = f"agent key {facts.key_fingerprint}"
+        if facts.warnings:
+            detail += "; warnings: " + "; ".join(facts.warnings)
+        await self.deps.bmdb.add_event(machine_id, "agent_started", detail)
+        log.info("agent started on %s machine %s (%s)", input.provider, input.provider_id, detail)
+        return facts
+
+    async def _record(self, machine_id: uuid.UUID) -> MachineRecord:
+        record = await self.deps.bmdb.get_machine(machine_id)
+        if record is None:
+            raise ApplicationError(f"BMDB has no machine {machine_id}", type="MachineNotInBMDB", non_retryable=True)
+        return record

@@ -1,0 +1,40 @@
+"""Starting a machine's workflow from an activity, idempotently."""
+
+from __future__ import annotations
+
+from temporalio.client import Client
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+
+from shepherd.settings import Settings
+from workflows.types import (
+    MACHINE_STAGE,
+    MACHINE_WORKFLOW_TYPE,
+    MachineInput,
+    MachineStage,
+    machine_workflow_id,
+)
+
+
+async def start_machine_workflow(
+    client: Client, settings: Settings, provider: str, provider_id: str, machine_id: str
+) -> bool:
+    """Start the machine's workflow unless it runs already; True if this call started it."""
+    try:
+        await client.start_workflow(
+            MACHINE_WORKFLOW_TYPE,
+            MachineInput(
+                provider=provider, provider_id=provider_id, machine_id=machine_id, policy=settings.lifecycle_policy
+            ),
+            id=machine_workflow_id(provider, provider_id),
+            task_queue=settings.task_queue,
+            # A machine whose workflow was closed (terminated by an operator, say)
+            # still needs one: start it afresh.
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            search_attributes=TypedSearchAttributes(
+                [SearchAttributePair(MACHINE_STAGE, MachineStage.PROVISIONING.value)]
+            ),
+        )
+    except WorkflowAlreadyStartedError:
+        return False
+    return True

@@ -1,0 +1,146 @@
+"""The provider client for the simulator's HTTP API.
+
+It does not retry: the activity that calls it owns retries. It maps every
+failure to a ProviderError that names the call, the URL and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import aiohttp
+
+from providers import (
+    Availability,
+    CapacityConflict,
+    MachineNotFound,
+    ProviderMachine,
+    ProviderProtocolError,
+    ProviderUnavailable,
+)
+
+PROVIDER_TYPE = "sim"
+_ID = re.compile(r"node-\d{4,}")
+
+
+def parse_machine(data: Any, where: str) -> ProviderMachine:
+    """A ProviderMachine from one JSON machine object; ProviderProtocolError naming the bad field."""
+
+    def bad(field: str, wanted: str) -> ProviderProtocolError:
+        value = data.get(field) if isinstance(data, dict) else data
+        return ProviderProtocolError(PROVIDER_TYPE, f"{where}: field {field!r} must be {wanted}, got {value!r}")
+
+    if not isinstance(data, dict):
+        raise bad("machine", "an object")
+    if not isinstance(data.get("id"), str) or not data["id"]:
+        raise bad("id", "a non-empty string")
+    try:
+        availability = Availability(str(data.get("availability")))
+    except ValueError:
+        raise bad("availability", f"one of {', '.join(a.value for a in Availability)}") from None
+    address = data.get("address")
+    if address is not None and not isinstance(address, str):
+        raise bad("address", "a string or null")
+    port = data.get("ssh_port")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise bad("ssh_port", "a port number or null")
+    for name in ("location", "status"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise bad(name, "a string or null")
+    return ProviderMachine(
+        provider_id=data["id"],
+        availability=availability,
+        address=address,
+        ssh_port=port or 22,
+        location=data.get("location"),
+        status=data.get("status"),
+    )
+
+
+class SimProvider:
+    def __init__(self, api_url: str, *, timeout: float = 10.0) -> None:
+        self.api_url = api_url.rstrip("/")
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def type(self) -> str:
+        return PROVIDER_TYPE
+
+    def is_valid_id(self, provider_id: str) -> bool:
+        return _ID.fullmatch(provider_id) is not None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(self, call: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """(status, parsed JSON) of one call; 5xx, timeouts and connection errors raise ProviderUnavailable."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        url = self.api_url + path
+        where = f"{call} ({method} {url})"
+        try:
+            async with self._session.request(method, url, json=body) as response:
+                text = await response.text()
+                status = response.status
+        except TimeoutError:
+            raise ProviderUnavailable(PROVIDER_TYPE, f"{where}: no answer within {self.timeout:g}s") from None
+        except aiohttp.ClientError as error:
+            raise ProviderUnavailable(PROVIDER_TYPE, f"{where}: {error or type(error).__name__}") from None
+        if status >= 500:
+            raise ProviderUnavailable(PROVIDER_TYPE, f"{where}: server error {status}: {text[:200]}")
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            raise ProviderProtocolError(PROVIDER_TYPE, f"{where}: answer {status} is not JSON: {text[:80]!r}") from None
+
+    @staticmethod
+    def _error_text(payload: Any) -> str:
+        if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+            return str(payload["error"])
+        return repr(payload)[:200]
+
+    def _unexpected(self, where: str, status: int, payload: Any) -> ProviderProtocolError:
+        return ProviderProtocolError(PROVIDER_TYPE, f"{where}: answer {status}: {self._error_text(payload)}")
+
+    async def list_machines(self) -> list[ProviderMachine]:
+        where = "list machines"
+        status, payload = await self._request(where, "GET", "/v1/machines")
+        if status != 200:
+            raise self._unexpected(where, status, payload)
+        if not isinstance(payload, dict) or not isinstance(payload.get("machines"), list):
+            raise ProviderProtocolError(PROVIDER_TYPE, f"{where}: field 'machines' must be a list")
+        return [parse_machine(item, where) for item in payload["machines"]]
+
+    async def get_machine(self, provider_id: str) -> ProviderMachine:
+        where = f"get machine {provider_id}"
+        status, payload = await self._request(where, "GET", f"/v1/machines/{provider_id}")
+        if status == 404:
+            raise MachineNotFound(PROVIDER_TYPE, provider_id)
+        if status != 200:
+            raise self._unexpected(where, status, payload)
+        return parse_machine(payload, where)
+
+    async def create_machine(self, provider_id: str, idempotency_key: str, ssh_public_key: str) -> ProviderMachine:
+        where = f"create machine {provider_id}"
+        body = {"capacity_id": provider_id, "idempotency_key": idempotency_key, "ssh_public_key": ssh_public_key}
+        status, payload = await self._request(where, "POST", "/v1/machines", body)
+        if status == 404:
+            raise MachineNotFound(PROVIDER_TYPE, provider_id)
+        if status == 409:
+            raise CapacityConflict(PROVIDER_TYPE, f"{where}: {self._error_text(payload)}")
+        if status not in (200, 201):
+            raise self._unexpected(where, status, payload)
+        return parse_machine(payload, where)
+
+    async def reboot_machine(self, provider_id: str) -> None:
+        where = f"reboot machine {provider_id}"
+        status, payload = await self._request(where, "POST", f"/v1/machines/{provider_id}/reboot")
+        if status == 404:
+            raise MachineNotFound(PROVIDER_TYPE, provider_id)
+        if status != 202:
+            raise self._unexpected(where, status, payload)

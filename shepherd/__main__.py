@@ -1,0 +1,5 @@
+import sys
+
+from shepherd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,177 @@
+"""The ``shepherd`` command.
+
+Every subcommand reads its settings from ``SHEPHERD_*`` environment variables;
+flags override them. A bad setting or an unreachable service ends the command
+with one line naming the problem and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from shepherd.settings import Settings, SettingsError, parse_duration
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """A command could not do its job; the message is shown as it is."""
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temporal-address", help="Temporal frontend host:port (SHEPHERD_TEMPORAL_ADDRESS)")
+    parser.add_argument("--namespace", dest="temporal_namespace", help="Temporal namespace")
+    parser.add_argument("--database-url", help="BMDB URL; unset: a local PostgreSQL under --state-dir")
+    parser.add_argument("--state-dir", type=Path, help="directory for local state (default .shepherd)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shepherd", description="Bare-metal fleet manager on Temporal.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    dev = commands.add_parser("dev", help="run the embedded stack with a simulated fleet")
+    _add_common(dev)
+    dev.add_argument("--machines", type=_positive_int, default=20, help="simulated machines (default 20)")
+    dev.add_argument(
+        "--until-ready", action="store_true", help="exit 0 once every machine is WATCHING, non-zero after --timeout"
+    )
+    dev.add_argument("--timeout", type=_duration_arg, default=600.0, help="limit for --until-ready (default 10m)")
+    dev.add_argument("--fresh", action="store_true", help="start from empty state (deletes --state-dir/dev)")
+
+    worker = commands.add_parser("worker", help="run a worker against Temporal and BMDB")
+    _add_common(worker)
+    worker.add_argument("--task-queue", help="task queue (default shepherd)")
+
+    migrate = commands.add_parser("migrate", help="create or upgrade the BMDB schema")
+    _add_common(migrate)
+
+    machines = commands.add_parser("machines", help="one line per machine: id, address, stage, agent start")
+    _add_common(machines)
+
+    sim = commands.add_parser("sim", help="run the fleet simulator (provider API and SSH machines)", add_help=False)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for name in ("temporal_address", "temporal_namespace", "database_url", "state_dir", "task_queue"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings.from_env(**overrides).check()
+
+
+@contextmanager
+def database(settings: Settings) -> Iterator[str]:
+    """The BMDB URL from settings, or a local PostgreSQL's while the block runs."""
+    if settings.database_url:
+        yield settings.database_url
+        return
+    from shepherd.postgres import LocalPostgres
+
+    with LocalPostgres(settings.state_dir / "postgres") as url:
+        yield url
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from simulator.__main__ import main as simulator_main
+
+        return simulator_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("asyncssh", "aiohttp.access", "alembic.runtime.migration", "pgserver"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    except (SettingsError, CommandError) as error:
+        print(f"shepherd {args.command}: {error}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(error, SettingsError) else EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from worker import StartupError
+
+    settings = settings_from(args)
+    try:
+        if args.command == "dev":
+            from shepherd.dev import DevOptions, run_dev
+
+            return run_dev(
+                settings,
+                DevOptions(
+                    machines=args.machines, until_ready=args.until_ready, timeout=args.timeout, fresh=args.fresh
+                ),
+            )
+        if args.command == "migrate":
+            return _migrate(settings)
+        if args.command == "worker":
+            return _worker(settings)
+        if args.command == "machines":
+            return _machines(settings)
+    except StartupError as error:
+        raise CommandError(str(error)) from None
+    raise CommandError(f"unknown command {args.command!r}")
+
+
+def _migrate(settings: Settings) -> int:
+    from bmdb import migrate
+    from bmdb.store import redact_url
+
+    with database(settings) as url:
+        try:
+            migrate.upgrade(url)
+        except Exception as error:
+            raise CommandError(f"cannot migrate BMDB at {redact_url(url)}: {error}") from None
+        print(f"BMDB at {redact_url(url)} is at schema revision {migrate.current_revision(url)}")
+    return EXIT_OK
+
+
+def _worker(settings: Settings) -> int:
+    from worker import run_worker
+
+    settings.check_agent()
+    with database(settings) as url:
+        asyncio.run(run_worker(settings, url))
+    return EXIT_OK
+
+
+def _machines(settings: Settings) -> int:
+    from shepherd.fleet_view import print_machines
+
+    with database(settings) as url:
+        return asyncio.run(print_machines(settings, url))

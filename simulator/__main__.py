@@ -1,0 +1,88 @@
+"""``shepherd sim`` / ``python -m simulator``: run the simulator until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from simulator.server import Simulator
+from simulator.state import Faults, SimulatorConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shepherd sim", description="Run the fleet simulator.")
+    parser.add_argument("--machines", type=int, default=20, help="capacity slots (default 20)")
+    parser.add_argument("--state-dir", type=Path, default=Path(".shepherd/sim"), help="where the fleet is kept")
+    parser.add_argument("--api-host", default="127.0.0.1")
+    parser.add_argument("--api-port", type=int, default=8800)
+    parser.add_argument("--ssh-host", default="127.0.0.1", help="address the machines' SSH servers listen on")
+    parser.add_argument("--boot-seconds", type=float, default=2.0, help="SSH downtime of a reboot")
+    parser.add_argument("--api-latency", type=float, default=0.0, help="seconds added to every API call")
+    parser.add_argument("--api-error-rate", type=float, default=0.0, help="fraction of API calls answered 503")
+    parser.add_argument("--api-malformed-rate", type=float, default=0.0, help="fraction answered with garbage")
+    parser.add_argument(
+        "--ssh-refuse",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="machine whose SSH refuses connections ('*' for all); repeatable",
+    )
+    parser.add_argument("--exec-delay", type=float, default=0.0, help="seconds before an exec'd process starts")
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> SimulatorConfig:
+    faults = Faults(
+        api_latency=args.api_latency,
+        api_error_rate=args.api_error_rate,
+        api_malformed_rate=args.api_malformed_rate,
+        ssh_refuse=args.ssh_refuse,
+        exec_delay=args.exec_delay,
+    )
+    return SimulatorConfig(
+        machines=args.machines,
+        state_dir=args.state_dir,
+        api_host=args.api_host,
+        api_port=args.api_port,
+        ssh_host=args.ssh_host,
+        boot_seconds=args.boot_seconds,
+        faults=faults,
+    ).check()
+
+
+async def serve(config: SimulatorConfig) -> None:
+    simulator = Simulator(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await simulator.start()
+    try:
+        await stop.wait()
+    finally:
+        await simulator.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from(args)
+    except ValueError as error:
+        parser.error(str(error))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    try:
+        asyncio.run(serve(config))
+    except OSError as error:
+        print(f"shepherd sim: cannot start: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""One simulated machine: a real SSH server whose exec runs real processes.
+
+Auth is key-only for root with the key given at creation; SFTP is chrooted to
+the machine's own directory; an exec'd path inside it runs as a process of
+this host, in its own session so that it may outlive the SSH session, as a
+detached agent does. A reboot kills those processes and keeps SSH down for
+the boot time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import asyncssh
+
+log = logging.getLogger("simulator.machine")
+
+EXIT_NOT_FOUND = 127
+# After the process exits, how long output still held open by a detached
+# child may keep the channel open.
+_OUTPUT_GRACE = 1.0
+
+
+class _MachineSSHServer(asyncssh.SSHServer):
+    def __init__(self, machine: SimulatedMachine) -> None:
+        self.machine = machine
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self.machine.connections.add(conn)
+        self._conn = conn
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.machine.connections.discard(self._conn)
+
+    def begin_auth(self, username: str) -> bool:
+        return True
+
+    def password_auth_supported(self) -> bool:
+        return False
+
+    def kbdint_auth_supported(self) -> bool:
+        return False
+
+    def public_key_auth_supported(self) -> bool:
+        return True
+
+    def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
+        return username == "root" and key.export_public_key("openssh").split()[:2] == self.machine.authorized_key
+
+
+class SimulatedMachine:
+    def __init__(
+        self,
+        machine_id: str,
+        root_dir: Path,
+        host_key: str,
+        authorized_key: str,
+        ssh_host: str,
+        ssh_port: int,
+        exec_delay: Callable[[], float],
+    ) -> None:
+        self.machine_id = machine_id
+        self.root_fs = root_dir / "root-fs"
+        (self.root_fs / "root").mkdir(parents=True, exist_ok=True)
+        self.host_key = asyncssh.import_private_key(host_key)
+        self.authorized_key = authorized_key.encode().split()[:2]
+        self.ssh_host = ssh_host
+        self.ssh_port = ssh_port
+        self.exec_delay = exec_delay
+        self.connections: set[asyncssh.SSHServerConnection] = set()
+        self.status = "active"
+        self._server: asyncssh.SSHAcceptor | None = None
+        self._boot: asyncio.Task[None] | None = None
+
+    @property
+    def listening(self) -> bool:
+        return self._server is not None
+
+    async def start_ssh(self) -> None:
+        if self._server is not None:
+            return
+        try:
+            self._server = await self._listen(self.ssh_port)
+        except OSError:
+            # The recorded port is taken: the machine gets a new one, as after a re-IP.
+            self._server = await self._listen(0)
+        self.ssh_port = self._server.sockets[0].getsockname()[1]
+
+    async def _listen(self, port: int) -> asyncssh.SSHAcceptor:
+        return await asyncssh.create_server(
+            lambda: _MachineSSHServer(self),
+            self.ssh_host,
+            port,
+            server_host_keys=[self.host_key],
+            process_factory=self._run_command,
+            sftp_factory=lambda chan: asyncssh.SFTPServer(chan, chroot=str(self.root_fs).encode()),
+            encoding=None,
+            allow_scp=False,
+            agent_forwarding=False,
+            x11_forwarding=False,
+            line_editor=False,
+        )
+
+    async def stop_ssh(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for conn in list(self.connections):
+            conn.close()
+
+    def kill_processes(self) -> int:
+        """Kill every process started through this machine's SSH, detached ones included.
+
+        A detached agent may have left the process group it was started in, so
+        processes are found by the machine marker in their environment.
+        """
+        marker = f"SHEPHERD_SIM_MACHINE_ROOT={self.root_fs}".encode()
+        killed = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environment = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in environment:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed += 1
+        return killed
+
+    async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:
+        killed = self.kill_processes()
+        log.info("machine %s rebooting: killed %d process group(s)", self.machine_id, killed)
+        await self.stop_ssh()
+        self.status = "rebooting"
+        if self._boot is not None:
+            self._boot.cancel()
+
+        async def boot() -> None:
+            await asyncio.sleep(boot_seconds)
+            self.status = "active"
+            if not refused():
+                await self.start_ssh()
+            log.info("machine %s booted", self.machine_id)
+
+        self._boot = asyncio.create_task(boot())
+
+    async def shutdown(self) -> None:
+        if self._boot is not None:
+            self._boot.cancel()
+        self.kill_processes()
+        await self.stop_ssh()
+
+    async def _run_command(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
+        command = process.command
+        if not command:
+            process.stderr.write(b"this machine offers no shell\n")
+            process.exit(1)
+            return
+        argv = shlex.split(command)
+        path = self.root_fs / argv[0].lstrip("/")
+        if not path.resolve().is_relative_to(self.root_fs.resolve()) or not path.is_file():
+            process.stderr.write(f"{argv[0]}: not found\n".encode())
+            process.exit(EXIT_NOT_FOUND)
+            return
+        if not os.access(path, os.X_OK):
+            process.stderr.write(f"{argv[0]}: permission denied\n".encode())
+            process.exit(126)
+            return
+        delay = self.exec_delay()
+        if delay:
+            await asyncio.sleep(delay)
+        log.info("machine %s exec %s", self.machine_id, command)
+        child = await asyncio.create_subprocess_exec(
+            str(path),
+            *argv[1:],
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=path.parent,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SHEPHERD_SIM_MACHINE_ROOT": str(self.root_fs)},
+            start_new_session=True,
+        )
+        assert child.stdin and child.stdout and child.stderr
+        pumps = [
+            asyncio.create_task(_pump_stdin(process, child.stdin)),
+            asyncio.create_task(_pump_output(child.stdout, process.stdout)),
+            asyncio.create_task(_pump_output(child.stderr, process.stderr)),
+        ]
+        code = await child.wait()
+        # Output held open by a detached grandchild must not hold the session.
+        _, pending = await asyncio.wait(pumps[1:], timeout=_OUTPUT_GRACE)
+        for task in [pumps[0], *pending]:
+            task.cancel()
+        process.exit(code if code >= 0 else 128 - code)
+
+
+async def _pump_stdin(process: asyncssh.SSHServerProcess[bytes], stdin: asyncio.StreamWriter) -> None:
+    try:
+        while data := await process.stdin.read(65536):
+            stdin.write(data)
+            await stdin.drain()
+    except (BrokenPipeError, ConnectionResetError, asyncssh.Error):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            stdin.close()
+
+
+async def _pump_output(source: asyncio.StreamReader, sink: asyncssh.SSHWriter[bytes]) -> None:
+    while data := await source.read(65536):
+        try:
+            sink.write(data)
+        except (asyncssh.Error, BrokenPipeError, ConnectionError):
+            return

@@ -1,0 +1,212 @@
+"""The simulator: an HTTP provider API over a fleet of simulated machines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncssh
+from aiohttp import web
+
+from simulator.machine import SimulatedMachine
+from simulator.state import FleetState, MachineRecord, SimulatorConfig
+
+log = logging.getLogger("simulator")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class Simulator:
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.config = config.check()
+        self.faults = config.faults
+        self.slots = config.slot_ids()
+        self.state_path = config.state_dir / "sim-state.json"
+        self.state = FleetState()
+        self.machines: dict[str, SimulatedMachine] = {}
+        self.random = random.Random()
+        self._runner: web.AppRunner | None = None
+        self._port = config.api_port
+        self._create_lock = asyncio.Lock()
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.config.api_host}:{self._port}"
+
+    async def start(self) -> None:
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state = FleetState.load(self.state_path)
+        for record in self.state.machines.values():
+            await self._bring_up(record)
+        self._save()
+        app = web.Application(middlewares=[self._fault_middleware])
+        app.add_routes(
+            [
+                web.get("/healthz", self._healthz),
+                web.get("/v1/machines", self._list),
+                web.post("/v1/machines", self._create),
+                web.get("/v1/machines/{id}", self._get),
+                web.post("/v1/machines/{id}/reboot", self._reboot),
+                web.get("/admin/state", self._admin_state),
+                web.post("/admin/faults", self._admin_faults),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.api_host, self.config.api_port)
+        await site.start()
+        self._port = self._runner.addresses[0][1]
+        log.info("simulator API on %s with %d slots, %d machines", self.api_url, len(self.slots), len(self.machines))
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for machine in self.machines.values():
+            await machine.shutdown()
+        self.machines.clear()
+
+    async def _bring_up(self, record: MachineRecord) -> SimulatedMachine:
+        machine = SimulatedMachine(
+            record.machine_id,
+            self.config.state_dir / "machines" / record.machine_id,
+            record.host_key,
+            record.ssh_public_key,
+            self.config.ssh_host,
+            record.ssh_port,
+            exec_delay=lambda: self.faults.exec_delay,
+        )
+        # Bind first so the machine has its port even while it refuses SSH.
+        await machine.start_ssh()
+        record.ssh_port = machine.ssh_port
+        if self.faults.refuses(record.machine_id):
+            await machine.stop_ssh()
+        self.machines[record.machine_id] = machine
+        return machine
+
+    def _save(self) -> None:
+        self.state.save(self.state_path)
+
+    def view(self, slot: str) -> dict[str, Any]:
+        machine = self.machines.get(slot)
+        index = self.slots.index(slot)
+        location = f"sim-rack-{index // 10 + 1}"
+        if machine is None:
+            return {
+                "id": slot,
+                "availability": "KnownUnused",
+                "address": None,
+                "ssh_port": None,
+                "location": location,
+                "status": "capacity",
+            }
+        return {
+            "id": slot,
+            "availability": "KnownUsed",
+            "address": self.config.ssh_host,
+            "ssh_port": machine.ssh_port,
+            "location": location,
+            "status": machine.status,
+        }
+
+    async def apply_faults(self, changes: dict[str, Any]) -> None:
+        self.faults = self.faults.updated(changes)
+        for machine in self.machines.values():
+            if self.faults.refuses(machine.machine_id):
+                await machine.stop_ssh()
+            elif machine.status == "active" and not machine.listening:
+                await machine.start_ssh()
+
+    # --- HTTP ---------------------------------------------------------------
+
+    @web.middleware
+    async def _fault_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            log.info("%s %s", request.method, request.path)
+            if self.faults.api_latency:
+                await asyncio.sleep(self.faults.api_latency)
+            if self.random.random() < self.faults.api_error_rate:
+                return _error(503, "simulated provider outage")
+            if self.random.random() < self.faults.api_malformed_rate:
+                return web.Response(status=200, text="<html>simulated garbage</html>", content_type="text/html")
+        return await handler(request)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _list(self, request: web.Request) -> web.Response:
+        return web.json_response({"machines": [self.view(slot) for slot in self.slots]})
+
+    async def _get(self, request: web.Request) -> web.Response:
+        slot = request.match_info["id"]
+        if slot not in self.slots:
+            return _error(404, f"no machine {slot}")
+        return web.json_response(self.view(slot))
+
+    async def _create(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return _error(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        for name in ("capacity_id", "idempotency_key", "ssh_public_key"):
+            if not isinstance(body.get(name), str) or not body[name]:
+                return _error(400, f"field {name} must be a non-empty string")
+        slot, key, public_key = body["capacity_id"], body["idempotency_key"], body["ssh_public_key"]
+        try:
+            asyncssh.import_public_key(public_key)
+        except asyncssh.KeyImportError:
+            return _error(400, "field ssh_public_key is not an OpenSSH public key")
+        async with self._create_lock:
+            existing = self.state.by_idempotency_key(key)
+            if existing is not None:
+                if existing.machine_id != slot:
+                    return _error(409, f"idempotency key {key} was used for {existing.machine_id}, not {slot}")
+                return web.json_response(self.view(slot), status=200)
+            if slot not in self.slots:
+                return _error(404, f"no capacity slot {slot}")
+            if slot in self.state.machines:
+                return _error(409, f"capacity slot {slot} is already in use by another request")
+            host_key = asyncssh.generate_private_key("ssh-ed25519").export_private_key("openssh").decode()
+            record = MachineRecord(slot, key, public_key, host_key)
+            self.state.machines[slot] = record
+            self.state.creations[slot] = self.state.creations.get(slot, 0) + 1
+            await self._bring_up(record)
+            self._save()
+        log.info("created machine %s (idempotency key %s)", slot, key)
+        return web.json_response(self.view(slot), status=201)
+
+    async def _reboot(self, request: web.Request) -> web.Response:
+        slot = request.match_info["id"]
+        machine = self.machines.get(slot)
+        if machine is None:
+            return _error(404, f"no machine {slot}")
+        await machine.reboot(self.config.boot_seconds, lambda: self.faults.refuses(slot))
+        return web.json_response(self.view(slot), status=202)
+
+    async def _admin_state(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "slots": len(self.slots),
+                "machines": sorted(self.state.machines),
+                "creations": self.state.creations,
+                "idempotency_keys": sorted(m.idempotency_key for m in self.state.machines.values()),
+                "faults": {**self.faults.__dict__},
+            }
+        )
+
+    async def _admin_faults(self, request: web.Request) -> web.Response:
+        try:
+            await self.apply_faults(await request.json())
+        except (ValueError, TypeError, AttributeError) as error:
+            return _error(400, str(error))
+        return web.json_response({**self.faults.__dict__})

@@ -1,0 +1,128 @@
+"""A whole Shepherd stack for integration tests: simulator, BMDB, Temporal, worker.
+
+Real parts throughout: the simulator's HTTP API and SSH servers, PostgreSQL,
+a Temporal dev server, the reference agent uploaded and run over SSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Worker
+
+from activities.deps import ActivityDeps
+from agent.build import build_agent_executable
+from shepherd.settings import Settings
+from simulator import Faults, Simulator, SimulatorConfig
+from worker import build_deps, build_worker, fleet_input
+from workflows.fleet import FleetWorkflow
+from workflows.machine import MachineWorkflow
+from workflows.types import FleetPassResult, MachineStage, MachineStatus, machine_workflow_id
+
+
+def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **overrides: Any) -> Settings:
+    """Settings of a test stack: everything local and fast."""
+    agent = tmp_path / "agent.pyz"
+    if not agent.exists():
+        build_agent_executable(agent)
+    values: dict[str, Any] = dict(
+        temporal_address=temporal_client.service_client.config.target_host,
+        temporal_namespace=temporal_client.namespace,
+        task_queue=f"shepherd-{uuid.uuid4().hex[:8]}",
+        state_dir=tmp_path / "state",
+        sim_api_url=sim_api_url,
+        provider_timeout=3.0,
+        ssh_key_path=tmp_path / "ssh_key",
+        ssh_exec_timeout=10.0,
+        agent_executable_path=agent,
+        agent_endpoint="127.0.0.1:8900",
+        agent_start_backoff_initial=0.5,
+        agent_start_backoff_maximum=2.0,
+        provision_backoff_initial=0.5,
+        provision_backoff_maximum=2.0,
+        max_machines=50,
+        chunk_size=20,
+        device_creation_interval=0.01,
+        shutdown_grace=2.0,
+    )
+    values.update(overrides)
+    return Settings(**values).check_agent()
+
+
+@dataclass
+class FleetStack:
+    settings: Settings
+    client: Client
+    simulator: Simulator
+    deps: ActivityDeps
+
+    async def run_pass(self) -> FleetPassResult:
+        return await self.client.execute_workflow(
+            FleetWorkflow.run,
+            fleet_input(self.settings),
+            id=f"fleet-{uuid.uuid4().hex[:8]}",
+            task_queue=self.settings.task_queue,
+        )
+
+    def machine(self, provider_id: str) -> WorkflowHandle[Any, Any]:
+        return self.client.get_workflow_handle(machine_workflow_id("sim", provider_id))
+
+    async def status(self, provider_id: str) -> MachineStatus:
+        return await self.machine(provider_id).query(MachineWorkflow.status)
+
+    async def wait_for_stage(self, provider_ids: list[str], stage: MachineStage, limit: float = 60.0) -> None:
+        """Wait until every named machine's workflow reports stage; fail naming the laggards."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while True:
+            statuses: dict[str, MachineStatus | Exception] = {}
+            for provider_id in provider_ids:
+                try:
+                    statuses[provider_id] = await self.status(provider_id)
+                except Exception as error:  # not started yet, or a query failure to report
+                    statuses[provider_id] = error
+            lagging = {p: s for p, s in statuses.items() if not isinstance(s, MachineStatus) or s.stage != stage}
+            if not lagging:
+                return
+            if loop.time() > deadline:
+                raise AssertionError(f"not {stage} after {limit}s: {lagging}")
+            await asyncio.sleep(0.2)
+
+
+@asynccontextmanager
+async def fleet_stack(
+    tmp_path: Path,
+    temporal_client: Client,
+    bmdb_url: str,
+    *,
+    machines: int,
+    run_worker: bool = True,
+    sim_faults: Faults | None = None,
+    **setting_overrides: Any,
+) -> AsyncIterator[FleetStack]:
+    simulator = Simulator(
+        SimulatorConfig(machines=machines, state_dir=tmp_path / "sim", api_port=0, faults=sim_faults or Faults())
+    )
+    await simulator.start()
+    try:
+        settings = stack_settings(tmp_path, simulator.api_url, temporal_client, **setting_overrides)
+        deps = await build_deps(settings, temporal_client, bmdb_url)
+        try:
+            stack = FleetStack(settings, temporal_client, simulator, deps)
+            if run_worker:
+                worker: Worker = build_worker(temporal_client, deps)
+                async with worker:
+                    yield stack
+            else:
+                yield stack
+        finally:
+            await deps.close()
+    finally:
+        await simulator.stop()

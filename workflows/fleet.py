@@ -1,0 +1,81 @@
+"""FleetWorkflow: one reconcile pass, run by the fleet schedule (overlap: skip).
+
+A pass decides from provider and BMDB listings which free capacity to bring
+under management (refusing when the two disagree), admits those machines at
+the device-creation rate, and makes sure every managed machine has its
+MachineWorkflow running.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.fleet import FleetActivities
+    from workflows.machine import describe_failure
+    from workflows.types import (
+        AdmitInput,
+        EnsureWorkflowsInput,
+        FleetInput,
+        FleetPassResult,
+        ReconcilePassInput,
+    )
+
+_LISTING_TIMEOUT = timedelta(minutes=5)
+_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=5)
+
+
+@workflow.defn(name="FleetWorkflow")
+class FleetWorkflow:
+    def __init__(self) -> None:
+        self._result: FleetPassResult | None = None
+
+    @workflow.run
+    async def run(self, input: FleetInput) -> FleetPassResult:
+        self._result = result = FleetPassResult(started_at=workflow.now().isoformat())
+        try:
+            result.plan = plan = await workflow.execute_activity_method(
+                FleetActivities.plan_reconcile_pass,
+                ReconcilePassInput(
+                    provider=input.provider, max_machines=input.max_machines, chunk_size=input.chunk_size
+                ),
+                start_to_close_timeout=_LISTING_TIMEOUT,
+                retry_policy=_RETRY,
+            )
+            for index, provider_id in enumerate(plan.to_create):
+                if index:
+                    await workflow.sleep(input.device_creation_interval)
+                await workflow.execute_activity_method(
+                    FleetActivities.admit_machine,
+                    AdmitInput(provider=input.provider, provider_id=provider_id),
+                    start_to_close_timeout=timedelta(minutes=1),
+                    retry_policy=_RETRY,
+                )
+                result.admitted.append(provider_id)
+            # Machines already managed keep their workflows even in a refused pass.
+            ensured = await workflow.execute_activity_method(
+                FleetActivities.ensure_machine_workflows,
+                EnsureWorkflowsInput(provider=input.provider),
+                start_to_close_timeout=_LISTING_TIMEOUT,
+                retry_policy=_RETRY,
+            )
+            result.workflows_started = len(ensured.started)
+        except ActivityError as error:
+            result.error = describe_failure(error)
+            raise ApplicationError(f"reconcile pass failed: {result.error}", non_retryable=True) from error
+        if plan.refused:
+            # Failing the run makes the refusal stand out in the UI's list; the
+            # next scheduled pass looks again.
+            result.error = plan.note
+            raise ApplicationError(
+                f"{plan.note}: {'; '.join(plan.disagreements)}", type="ReconcileRefused", non_retryable=True
+            )
+        return result
+
+    @workflow.query
+    def status(self) -> FleetPassResult | None:
+        return self._result
