@@ -1,0 +1,123 @@
+"""The shepherd command refuses to start on bad settings or unreachable services, in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agent.build import build_agent_executable
+
+
+def shepherd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "shepherd", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def agent_env(tmp_path) -> dict[str, str]:
+    return {
+        "SHEPHERD_AGENT_EXECUTABLE_PATH": str(build_agent_executable(tmp_path / "agent")),
+        "SHEPHERD_AGENT_ENDPOINT": "127.0.0.1:8900",
+        "SHEPHERD_STATE_DIR": str(tmp_path / "state"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("changes", "setting"),
+    [
+        ({"SHEPHERD_AGENT_EXECUTABLE_PATH": ""}, "agent_executable_path"),
+        ({"SHEPHERD_AGENT_EXECUTABLE_PATH": "/nonexistent/agent"}, "agent_executable_path"),
+        ({"SHEPHERD_AGENT_ENDPOINT": ""}, "agent_endpoint"),
+        ({"SHEPHERD_SSH_CONNECT_TIMEOUT": "0"}, "ssh_connect_timeout"),
+        ({"SHEPHERD_SSH_EXEC_TIMEOUT": "-1"}, "ssh_exec_timeout"),
+        ({"SHEPHERD_DATABASE_URL": "sqlite:///x"}, "database_url"),
+    ],
+)
+def test_worker_refuses_bad_settings_naming_them(agent_env, changes, setting):
+    result = shepherd("worker", env={**agent_env, **changes})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and setting in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_worker_refuses_an_unreachable_temporal(agent_env):
+    result = shepherd("worker", env={**agent_env, "SHEPHERD_TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    assert result.returncode == 1
+    assert "temporal_address" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_worker_refuses_an_unreachable_database(agent_env, temporal_env, tmp_path):
+    target = temporal_env.client.service_client.config.target_host
+    env = {
+        **agent_env,
+        "SHEPHERD_TEMPORAL_ADDRESS": target,
+        "SHEPHERD_DATABASE_URL": f"postgresql://shepherd:pw@/bmdb?host={tmp_path}",
+    }
+    result = shepherd("worker", env=env)
+    assert result.returncode == 1
+    assert "database_url" in result.stderr and "unreachable" in result.stderr
+    assert "pw@" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_worker_refuses_an_unmigrated_database(agent_env, temporal_env, postgres_server):
+    import psycopg
+
+    from tests.conftest import database_url
+
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE empty_bmdb")
+    target = temporal_env.client.service_client.config.target_host
+    env = {
+        **agent_env,
+        "SHEPHERD_TEMPORAL_ADDRESS": target,
+        "SHEPHERD_DATABASE_URL": database_url(postgres_server, "empty_bmdb"),
+    }
+    result = shepherd("worker", env=env)
+    assert result.returncode == 1
+    assert "shepherd migrate" in result.stderr
+
+
+def test_migrate_then_migrate_again(postgres_server):
+    import psycopg
+
+    from tests.conftest import database_url
+
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE migrated_by_cli")
+    env = {"SHEPHERD_DATABASE_URL": database_url(postgres_server, "migrated_by_cli")}
+    for _ in range(2):
+        result = shepherd("migrate", env=env)
+        assert result.returncode == 0, result.stderr
+        assert "schema revision 0001" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args", [["dev", "--machines", "0"], ["dev", "--timeout", "soon"], ["nonsense"], ["sim", "--machines", "0"]]
+)
+def test_bad_arguments_are_usage_errors(args):
+    result = shepherd(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stderr.strip()
+
+
+def test_dev_brings_a_fleet_up_until_ready_and_stops_everything(tmp_path):
+    result = shepherd(
+        "dev", "--machines", "3", "--until-ready", "--timeout", "3m", "--state-dir", str(tmp_path), timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all 3 machines are WATCHING" in result.stdout
+    again = shepherd(
+        "dev", "--machines", "3", "--until-ready", "--timeout", "1ms", "--state-dir", str(tmp_path / "x"), timeout=300
+    )
+    assert again.returncode == 1
+    assert "machines reached WATCHING within" in again.stderr
