@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
@@ -12,13 +13,17 @@ from typing import Any
 import aiohttp
 import pytest
 from temporalio.client import WorkflowFailureError
+from temporalio.worker import Replayer
 
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from shepherd.dev import settings_environment
+from shepherd.fleet_view import print_machines
 from simulator import Faults
 from tests.fleet_stack import fleet_stack
 from worker import fleet_input
+from workflows.fleet import FleetWorkflow
+from workflows.machine import MachineWorkflow
 from workflows.types import MACHINE_STAGE, MachineStage
 
 
@@ -63,6 +68,19 @@ async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, tempor
         # The stage is a search attribute the UI (and we) can filter on.
         description = await stack.machine("node-0001").describe()
         assert description.typed_search_attributes.get(MACHINE_STAGE) == "WATCHING"
+
+        # Workflow code is deterministic: the histories just made replay cleanly.
+        replayer = Replayer(workflows=[MachineWorkflow, FleetWorkflow])
+        for provider_id in nodes(4):
+            await replayer.replay_workflow(await stack.machine(provider_id).fetch_history())
+
+        # `shepherd machines` shows each machine with its stage.
+        output = io.StringIO()
+        assert await print_machines(stack.settings, bmdb_url, out=output) == 0
+        lines = output.getvalue().splitlines()
+        assert lines[0].split()[:2] == ["PROVIDER", "ID"] and len(lines) == 5
+        assert all("WATCHING" in line and "127.0.0.1:" in line for line in lines[1:])
+        assert max(len(line) for line in lines) <= 80
 
 
 async def test_max_machines_and_chunk_size_bound_each_pass(tmp_path, temporal_client, bmdb_url, bmdb):
@@ -142,6 +160,24 @@ async def test_ssh_refused_is_retried_until_the_machine_answers(tmp_path, tempor
         assert status.last_error is not None and "CONNECT_REFUSED" in status.last_error
         await sim_admin(stack, "/admin/faults", {"ssh_refuse": []})
         await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+
+
+async def test_provider_outage_is_retried_and_reported(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
+        machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+        await sim_admin(stack, "/admin/faults", {"api_error_rate": 1.0})
+        await start_machine_workflow(stack.client, stack.settings, "sim", "node-0001", str(machine_id))
+        for _ in range(300):
+            status = await stack.status("node-0001")
+            if status.last_error:
+                break
+            await asyncio.sleep(0.1)
+        assert status.stage is MachineStage.PROVISIONING
+        assert status.last_error is not None and status.last_error.startswith("ProviderUnavailable")
+        assert "503" in status.last_error
+        await sim_admin(stack, "/admin/faults", {"api_error_rate": 0.0})
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+        assert (await sim_admin(stack, "/admin/state"))["creations"] == {"node-0001": 1}
 
 
 async def test_malformed_provider_answers_are_reported_and_retried(tmp_path, temporal_client, bmdb_url, bmdb):
