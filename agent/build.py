@@ -1,7 +1,11 @@
-"""Pack the reference agent into one executable file: a zip with a shebang.
+"""Pack the reference agent into one executable file: a zipapp with a shebang.
 
 The file runs with the given Python (by default this one), which must have
 protobuf and cryptography; on the simulated machines that is the worker's own.
+Only the reference agent and the ``proto`` package go in, so what runs on a
+machine does not depend on the rest of Shepherd.
+
+Usage: ``python -m agent.build OUT [--python INTERPRETER]``
 """
 
 from __future__ import annotations
@@ -10,40 +14,68 @@ import argparse
 import io
 import os
 import sys
+import tempfile
+import zipapp
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["agent/__init__.py", "agent/reference.py", "proto/__init__.py", "proto/takeover_pb2.py"]
-MAIN = "import sys\nfrom agent.reference import main\nsys.exit(main())\n"
-# Fixed timestamps: the same sources always give the same bytes.
-EPOCH = (1980, 1, 1, 0, 0, 0)
+import agent
+import proto
+
+# Archive name -> source file. The agent package's __init__ has no imports, so
+# the archive needs nothing else from Shepherd.
+SOURCES: dict[str, Path] = {
+    "agent/__init__.py": Path(agent.__file__),
+    "agent/reference.py": Path(agent.__file__).with_name("reference.py"),
+    "proto/__init__.py": Path(proto.__file__),
+    "proto/takeover_pb2.py": Path(proto.__file__).with_name("takeover_pb2.py"),
+}
+ENTRY_POINT = "import sys\n\nfrom agent.reference import main\n\nsys.exit(main())\n"
+# Fixed timestamps and modes: the same sources always give the same bytes.
+ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+ZIP_FILE_MODE = 0o644
 
 
 def agent_archive() -> bytes:
+    """The zip archive (without shebang): the sources and a __main__ that runs the reference agent."""
+    members = {name: source.read_bytes() for name, source in SOURCES.items()}
+    members["__main__.py"] = ENTRY_POINT.encode()
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name in SOURCES:
-            archive.writestr(zipfile.ZipInfo(name, EPOCH), (ROOT / name).read_bytes())
-        archive.writestr(zipfile.ZipInfo("__main__.py", EPOCH), MAIN)
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name in sorted(members):
+            info = zipfile.ZipInfo(name, ZIP_EPOCH)
+            # Stored, not deflated: the bytes then do not depend on the zlib version either.
+            info.compress_type = zipfile.ZIP_STORED
+            info.external_attr = (0o100000 | ZIP_FILE_MODE) << 16
+            archive.writestr(info, members[name])
     return buffer.getvalue()
 
 
 def build_agent_executable(out_path: Path, python: str = sys.executable) -> Path:
-    """Write the agent executable to out_path (mode 0755, atomically)."""
-    content = f"#!{python}\n".encode() + agent_archive()
+    """Write the agent executable to out_path: mode 0755, written atomically; returns out_path."""
+    executable = io.BytesIO()
+    # zipapp adds the shebang line to the ready-made archive.
+    zipapp.create_archive(io.BytesIO(agent_archive()), executable, interpreter=python)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(content)
-    temporary.chmod(0o755)
-    os.replace(temporary, out_path)
+    fd, temporary_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    temporary = Path(temporary_name)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(executable.getvalue())
+            file.flush()
+            os.fsync(file.fileno())
+        temporary.chmod(0o755)
+        # A rename: whoever runs or uploads out_path sees the old file or the new, never half of one.
+        os.replace(temporary, out_path)
+    finally:
+        temporary.unlink(missing_ok=True)
     return out_path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build the reference agent executable.")
-    parser.add_argument("out", type=Path, help="where to write it")
-    parser.add_argument("--python", default=sys.executable, help="interpreter for the shebang")
+    parser = argparse.ArgumentParser(prog="python -m agent.build", description="Build the reference agent executable.")
+    parser.add_argument("out", type=Path, help="where to write the executable")
+    parser.add_argument("--python", default=sys.executable, help="interpreter for the shebang (default: this one)")
     args = parser.parse_args(argv)
     print(build_agent_executable(args.out, args.python))
     return 0

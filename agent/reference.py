@@ -1,16 +1,23 @@
 """The reference takeover agent, run on a machine as the uploaded executable.
 
-It reads one TakeoverInit on standard input, answers one TakeoverResponse on
-standard output and exits. It makes an ed25519 key for itself and keeps the
-private half (32 raw bytes, mode 0600) in ``agent.key`` beside the
-executable, or in ``$SHEPHERD_AGENT_STATE_DIR``, to sign its heartbeats.
+It reads one TakeoverInit on standard input (until end of file), answers one
+TakeoverResponse on standard output and exits with status 0, also when the
+input is unusable: the answer then carries the agent's own error message, so
+Shepherd reports what the agent saw rather than a bare exit status.
 
-Only protobuf, cryptography and the ``proto`` package are needed.
+It makes an ed25519 key for itself and keeps the private half, as the 32 raw
+private-key bytes with mode 0600, in ``agent.key`` in the directory of the
+executable, or in ``$SHEPHERD_AGENT_STATE_DIR`` if that is set; the
+heartbeats of a later version are signed with it.
+
+Only protobuf, cryptography and the ``proto`` package are needed: the module
+is packed alone into the executable (see agent.build).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -21,41 +28,57 @@ from google.protobuf.message import DecodeError
 from proto import takeover_pb2
 
 KEY_FILE = "agent.key"
+STATE_DIR_VARIABLE = "SHEPHERD_AGENT_STATE_DIR"
+NO_CA_WARNING = "no CA certificate given; the system trust store will be used"
 
 
 def state_dir() -> Path:
-    configured = os.environ.get("SHEPHERD_AGENT_STATE_DIR")
+    """Where the agent keeps its key: $SHEPHERD_AGENT_STATE_DIR, else beside the executable."""
+    configured = os.environ.get(STATE_DIR_VARIABLE)
     return Path(configured) if configured else Path(sys.argv[0]).resolve().parent
 
 
 def write_private_key(path: Path, key: Ed25519PrivateKey) -> None:
+    """Write key's 32 raw private bytes to path, mode 0600, replacing any older key atomically."""
     raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.unlink(missing_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    # Created 0600 from the start: the private key is never readable by others.
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(raw)
-    os.replace(temporary, path)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(raw)
+            file.flush()
+            # The public half is reported to Shepherd; the private half must outlive a crash.
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def error_response(message: str) -> takeover_pb2.TakeoverResponse:
+    return takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message=message))
 
 
 def answer(init_bytes: bytes) -> takeover_pb2.TakeoverResponse:
+    """The response to the bytes read on standard input; makes and stores the agent's key."""
     init = takeover_pb2.TakeoverInit()
     try:
         init.ParseFromString(init_bytes)
     except DecodeError as error:
-        return takeover_pb2.TakeoverResponse(
-            error=takeover_pb2.TakeoverError(message=f"malformed TakeoverInit on stdin: {error}")
-        )
+        return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): {error}")
     if not init.machine_id:
-        return takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message="TakeoverInit has no machine_id"))
+        # Also what empty input parses to: Shepherd always sends a machine id.
+        return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): no machine_id")
     key = Ed25519PrivateKey.generate()
+    key_path = state_dir() / KEY_FILE
     try:
-        write_private_key(state_dir() / KEY_FILE, key)
+        write_private_key(key_path, key)
     except OSError as error:
-        return takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message=f"cannot keep my key: {error}"))
+        return error_response(f"cannot store the agent key in {key_path}: {error.strerror or error}")
     warnings = []
     if not init.ca_certificate:
-        warnings.append("no CA certificate given; the system trust store will be used")
+        warnings.append(NO_CA_WARNING)
     return takeover_pb2.TakeoverResponse(
         success=takeover_pb2.TakeoverSuccess(
             init_message=init,
