@@ -1,55 +1,81 @@
 """Shepherd's side of the takeover: SSH in, upload the agent, run it, check its answer.
 
-The checks are the seed Initializer's: the agent must answer a
-TakeoverResponse, echo the TakeoverInit it was sent and give a 32-byte ed25519
-key. Every failure is a TakeoverError naming the machine, the address and the
-problem.
+The checks are the seed Initializer's: the agent must exit with status 0,
+answer a TakeoverResponse, echo the TakeoverInit it was sent and give a
+32-byte ed25519 key. Every failure is a TakeoverError naming the machine, the
+address and the problem, with a TakeoverFailure saying which kind it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import posixpath
 import shlex
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncssh
+from asyncssh.public_key import get_default_public_key_algs
 from google.protobuf.message import DecodeError
 
 from proto import takeover_pb2
 
 ED25519_KEY_SIZE = 32
-# A TakeoverResponse is a few hundred bytes; anything near this is not one.
+# A TakeoverResponse is a few hundred bytes; an agent writing more than this is
+# broken, and Shepherd must not hold an unbounded reply in memory.
 MAX_REPLY_SIZE = 1 << 20
+# Of the agent's standard error only the end is kept: that is where the reason is.
+MAX_STDERR_KEPT = 64 << 10
+STDERR_IN_RESULT = 4096
+STDERR_IN_MESSAGE = 500
+READ_CHUNK = 64 << 10
 
 
 @dataclass(frozen=True)
 class TakeoverTarget:
     """Everything needed to reach one machine; no secrets."""
 
+    # BMDB machine UUID, sent to the agent in TakeoverInit.
     machine_id: str
+    # Host name or IP address of the machine's SSH server.
     address: str
     port: int = 22
     username: str = "root"
-    # OpenSSH public key recorded at first contact (trust on first use).
+    # OpenSSH public key recorded at first contact (trust on first use); None
+    # before the first contact, when any host key is accepted and reported.
     pinned_host_key: str | None = None
 
 
 @dataclass(frozen=True)
 class TakeoverSettings:
+    """How to take over machines: the same for every machine of a fleet."""
+
     agent_executable: bytes
+    # host:port the agent calls back.
     endpoint: str
+    # Where the agent is uploaded on the machine; relative paths are relative
+    # to the SSH user's home directory.
     target_path: str = "/root/agent"
+    # DER-encoded CA certificate the agent trusts for the endpoint; empty means
+    # the machine's trust store.
     ca_certificate: bytes = b""
+    # TCP connect, SSH handshake and authentication together.
     connect_timeout: float = 2.0
+    # Upload and run together.
     exec_timeout: float = 60.0
 
 
 @dataclass(frozen=True)
 class TakeoverResult:
+    # The agent's raw ed25519 public key (32 bytes).
     agent_public_key: bytes
+    # The host key the SSH server showed, as an OpenSSH public key line; the
+    # caller pins it at first contact.
     host_key: str
+    # Non-fatal problems the agent reported.
     warnings: list[str] = field(default_factory=list)
+    # The end of the agent's standard error, stripped; may be logged.
     stderr: str = ""
 
 
@@ -60,160 +86,318 @@ class TakeoverFailure(enum.StrEnum):
     HOST_KEY_CHANGED = "HOST_KEY_CHANGED"
     SSH_ERROR = "SSH_ERROR"
     UPLOAD_FAILED = "UPLOAD_FAILED"
+    # Non-zero exit status, or killed by a signal.
     EXEC_FAILED = "EXEC_FAILED"
     EXEC_TIMEOUT = "EXEC_TIMEOUT"
+    # Standard output is no TakeoverResponse, is empty, is too long, or has no result set.
     BAD_REPLY = "BAD_REPLY"
+    # The agent answered with a TakeoverError.
     AGENT_ERROR = "AGENT_ERROR"
     INIT_NOT_ECHOED = "INIT_NOT_ECHOED"
+    # The agent's key is not 32 bytes.
     BAD_KEY = "BAD_KEY"
+
+    @property
+    def retryable(self) -> bool:
+        # A changed host key may be an impostor: an operator must look before
+        # Shepherd sends anything to that machine again. All else may pass.
+        return self is not TakeoverFailure.HOST_KEY_CHANGED
 
 
 class TakeoverError(Exception):
+    """Taking over one machine failed; str() is one sentence naming machine, address and problem."""
+
     def __init__(self, failure: TakeoverFailure, target: TakeoverTarget, problem: str) -> None:
-        super().__init__(f"takeover of machine {target.machine_id} at {target.address}:{target.port}: {problem}")
+        super().__init__(f"takeover of machine {target.machine_id} at {_host_port(target)} failed: {problem}")
         self.failure = failure
+        self.target = target
+        self.problem = problem
         self.machine_id = target.machine_id
         self.address = target.address
 
     @property
     def retryable(self) -> bool:
-        # A changed host key needs an operator; everything else may pass.
-        return self.failure is not TakeoverFailure.HOST_KEY_CHANGED
+        return self.failure.retryable
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The constructor's arguments are not the message: rebuild from them when pickled or copied.
+        return (type(self), (self.failure, self.target, self.problem))
 
 
 async def take_over(target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey) -> TakeoverResult:
-    """Start the agent on target and return its public key."""
+    """Upload the agent to target, run it and return what it answered.
+
+    Raises TakeoverError for every way this can fail. The connection is
+    always closed before this returns.
+    """
+    init = takeover_pb2.TakeoverInit(
+        machine_id=target.machine_id, endpoint=settings.endpoint, ca_certificate=settings.ca_certificate
+    )
     connection = await _connect(target, settings, client_key)
-    async with connection:
-        host_key = connection.get_server_host_key()
-        if host_key is None:
-            raise TakeoverError(TakeoverFailure.SSH_ERROR, target, "the SSH server showed no host key")
-        host_key_text = host_key.export_public_key("openssh").decode().strip()
-        init = takeover_pb2.TakeoverInit(
-            machine_id=target.machine_id, endpoint=settings.endpoint, ca_certificate=settings.ca_certificate
-        )
+    try:
+        host_key = _server_host_key(connection, target)
         phase = "uploading the agent"
         try:
             async with asyncio.timeout(settings.exec_timeout):
                 await _upload(connection, target, settings)
                 phase = "running the agent"
-                completed = await connection.run(
-                    shlex.quote(settings.target_path), input=init.SerializeToString(), encoding=None, check=False
-                )
+                run = await _run_agent(connection, target, settings.target_path, init.SerializeToString())
         except TimeoutError:
             raise TakeoverError(
-                TakeoverFailure.EXEC_TIMEOUT, target, f"no reply within {settings.exec_timeout:g}s while {phase}"
+                TakeoverFailure.EXEC_TIMEOUT, target, f"not done within {settings.exec_timeout:g}s while {phase}"
             ) from None
         except (asyncssh.Error, OSError) as error:
             raise TakeoverError(TakeoverFailure.SSH_ERROR, target, f"SSH failed while {phase}: {error}") from None
-    stdout = _as_bytes(completed.stdout)
-    stderr = _as_bytes(completed.stderr).decode(errors="replace").strip()
-    if completed.exit_status != 0:
-        how = f"signal {completed.exit_signal[0]}" if completed.exit_signal else f"status {completed.exit_status}"
-        raise TakeoverError(
-            TakeoverFailure.EXEC_FAILED, target, f"the agent exited with {how}; stderr: {stderr[-500:] or '(empty)'}"
-        )
-    response = _parse_reply(stdout, target)
-    success = response.success
+    finally:
+        await _close(connection, settings.connect_timeout)
+
+    stderr = run.stderr.decode(errors="replace").strip()
+    if run.exit_status != 0:
+        if run.exit_signal is not None:
+            how = f"was killed by signal {run.exit_signal}"
+        elif run.exit_status is None:
+            how = "ended without an exit status"
+        else:
+            how = f"exited with status {run.exit_status}"
+        shown = " | ".join(stderr[-STDERR_IN_MESSAGE:].splitlines()) or "(empty)"
+        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {shown}")
+    success = _parse_reply(run.stdout, target)
     if success.init_message != init:
-        raise TakeoverError(TakeoverFailure.INIT_NOT_ECHOED, target, "the agent did not send back the init message")
+        raise TakeoverError(
+            TakeoverFailure.INIT_NOT_ECHOED,
+            target,
+            "the agent did not echo the init message it was sent "
+            f"(it echoed machine_id {success.init_message.machine_id!r}, "
+            f"endpoint {success.init_message.endpoint!r})",
+        )
     if len(success.key) != ED25519_KEY_SIZE:
         raise TakeoverError(
-            TakeoverFailure.BAD_KEY, target, f"the agent's key is {len(success.key)} bytes, not {ED25519_KEY_SIZE}"
+            TakeoverFailure.BAD_KEY,
+            target,
+            f"the agent's key is {len(success.key)} bytes long, an ed25519 public key is {ED25519_KEY_SIZE}",
         )
     return TakeoverResult(
         agent_public_key=bytes(success.key),
-        host_key=host_key_text,
+        host_key=host_key,
         warnings=list(success.warnings),
-        stderr=stderr,
+        stderr=stderr[-STDERR_IN_RESULT:],
     )
+
+
+def _host_port(target: TakeoverTarget) -> str:
+    address = f"[{target.address}]" if ":" in target.address else target.address
+    return f"{address}:{target.port}"
 
 
 async def _connect(
     target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey
 ) -> asyncssh.SSHClientConnection:
-    options: dict[str, object] = {"known_hosts": None}
-    if target.pinned_host_key:
-        pinned = asyncssh.import_public_key(target.pinned_host_key)
-        # Trusted host keys, CA keys, revoked keys: only the pinned key passes.
-        options = {"known_hosts": ([pinned], [], []), "server_host_key_algs": [pinned.algorithm.decode()]}
+    # No known_hosts: any host key is accepted and reported (first contact).
+    known_hosts: Any = None
+    host_key_algorithms: Any = ()  # asyncssh's default
+    if target.pinned_host_key is not None:
+        try:
+            pinned = asyncssh.import_public_key(target.pinned_host_key)
+        except (asyncssh.KeyImportError, ValueError) as error:
+            raise TakeoverError(
+                TakeoverFailure.HOST_KEY_CHANGED,
+                target,
+                f"the pinned host key is not an OpenSSH public key ({error}); reset the machine's pin",
+            ) from None
+        # Trusted host keys, trusted CA keys, revoked keys: only the pinned key
+        # passes, and asyncssh checks it in the handshake, before we send anything.
+        known_hosts = ([pinned], [], [])
+        # The pinned key's algorithms first, so a server that still has that
+        # key shows it; then every other, so a server that has lost it shows
+        # another key and fails the check, rather than ending the handshake
+        # with nothing but a reset connection.
+        host_key_algorithms = [
+            *(algorithm.decode() for algorithm in pinned.sig_algorithms),
+            *(algorithm.decode() for algorithm in get_default_public_key_algs()),
+        ]
     try:
         async with asyncio.timeout(settings.connect_timeout):
             return await asyncssh.connect(
                 target.address,
                 target.port,
                 username=target.username,
+                known_hosts=known_hosts,
+                server_host_key_algs=host_key_algorithms,
                 client_keys=[client_key],
+                # Only the given key: nothing from the worker's ~/.ssh, its SSH agent or its config.
                 agent_path=None,
+                config=[],
                 password=None,
                 kbdint_auth=False,
+                gss_auth=False,
                 preferred_auth="publickey",
-                config=[],
-                **options,
             )
     except TimeoutError:
         raise TakeoverError(
-            TakeoverFailure.CONNECT_TIMEOUT, target, f"no SSH session within {settings.connect_timeout:g}s"
+            TakeoverFailure.CONNECT_TIMEOUT,
+            target,
+            f"no SSH session within {settings.connect_timeout:g}s (connect, handshake and login)",
         ) from None
     except ConnectionRefusedError:
-        raise TakeoverError(TakeoverFailure.CONNECT_REFUSED, target, "connection refused") from None
+        raise TakeoverError(TakeoverFailure.CONNECT_REFUSED, target, "the connection was refused") from None
     except asyncssh.PermissionDenied:
         raise TakeoverError(
-            TakeoverFailure.AUTH_REJECTED, target, f"the machine rejected Shepherd's key for user {target.username}"
+            TakeoverFailure.AUTH_REJECTED, target, f"the machine rejected Shepherd's SSH key for user {target.username}"
         ) from None
     except asyncssh.HostKeyNotVerifiable:
         raise TakeoverError(
             TakeoverFailure.HOST_KEY_CHANGED,
             target,
-            "the SSH host key differs from the one pinned at first contact; if the machine was reinstalled, "
-            "reset its pin",
+            "the SSH host key differs from the one pinned at first contact; "
+            "if the machine was reinstalled, reset its pin, otherwise find out who answers at that address",
         ) from None
     except (asyncssh.Error, OSError) as error:
         raise TakeoverError(TakeoverFailure.SSH_ERROR, target, f"cannot open an SSH session: {error}") from None
 
 
+def _server_host_key(connection: asyncssh.SSHClientConnection, target: TakeoverTarget) -> str:
+    host_key = connection.get_server_host_key()
+    if host_key is None:
+        raise TakeoverError(TakeoverFailure.SSH_ERROR, target, "the SSH server showed no host key")
+    return host_key.export_public_key("openssh").decode().strip()
+
+
+async def _close(connection: asyncssh.SSHClientConnection, grace: float) -> None:
+    connection.close()
+    try:
+        async with asyncio.timeout(grace):
+            await connection.wait_closed()
+    except TimeoutError:
+        # A server that does not answer our close must not hold the caller.
+        connection.abort()
+
+
 async def _upload(connection: asyncssh.SSHClientConnection, target: TakeoverTarget, settings: TakeoverSettings) -> None:
     """Write the agent beside its target path, then rename it over: a running agent never sees half a file."""
-    temporary = f"{settings.target_path}.upload"
+    directory, name = posixpath.split(settings.target_path)
+    temporary = posixpath.join(directory, f".{name}.upload")
     try:
         async with connection.start_sftp_client() as sftp:
-            async with sftp.open(temporary, "wb") as file:
-                await file.write(settings.agent_executable)
-            await sftp.chmod(temporary, 0o755)
             try:
-                await sftp.posix_rename(temporary, settings.target_path)
-            except asyncssh.SFTPOpUnsupported:
-                if await sftp.exists(settings.target_path):
-                    await sftp.remove(settings.target_path)
-                await sftp.rename(temporary, settings.target_path)
+                async with sftp.open(temporary, "wb") as file:
+                    await file.write(settings.agent_executable)
+                await sftp.chmod(temporary, 0o755)
+                try:
+                    await sftp.posix_rename(temporary, settings.target_path)
+                except asyncssh.SFTPOpUnsupported:
+                    # Plain SFTP rename refuses to replace a file: remove the old agent first.
+                    if await sftp.exists(settings.target_path):
+                        await sftp.remove(settings.target_path)
+                    await sftp.rename(temporary, settings.target_path)
+            except asyncssh.SFTPError:
+                await _remove_quietly(sftp, temporary)
+                raise
     except (asyncssh.SFTPError, asyncssh.ChannelOpenError) as error:
         raise TakeoverError(
-            TakeoverFailure.UPLOAD_FAILED, target, f"cannot upload the agent to {settings.target_path}: {error}"
+            TakeoverFailure.UPLOAD_FAILED,
+            target,
+            f"cannot upload the agent to {settings.target_path}: {error.reason or type(error).__name__}",
         ) from None
 
 
-def _as_bytes(output: bytes | str | None) -> bytes:
-    # run() with encoding=None gives bytes; the union is asyncssh's general signature.
-    if output is None:
-        return b""
-    return output.encode() if isinstance(output, str) else bytes(output)
+async def _remove_quietly(sftp: asyncssh.SFTPClient, path: str) -> None:
+    try:
+        await sftp.remove(path)
+    except asyncssh.SFTPError:
+        # Most likely it was never created; the next upload overwrites it anyway.
+        pass
 
 
-def _parse_reply(stdout: bytes, target: TakeoverTarget) -> takeover_pb2.TakeoverResponse:
+@dataclass(frozen=True)
+class _AgentRun:
+    stdout: bytes
+    stderr: bytes
+    exit_status: int | None
+    exit_signal: str | None
+
+
+async def _run_agent(
+    connection: asyncssh.SSHClientConnection, target: TakeoverTarget, target_path: str, init: bytes
+) -> _AgentRun:
+    # A bare name would be looked up in PATH by the remote shell, not in the home directory.
+    command_path = target_path if "/" in target_path else f"./{target_path}"
+    process: asyncssh.SSHClientProcess[bytes] = await connection.create_process(
+        shlex.quote(command_path), encoding=None
+    )
+    try:
+        process.stdin.write(init)
+        # Closing stdin tells the agent the whole init message has arrived.
+        process.stdin.write_eof()
+        readers = asyncio.gather(
+            _read_at_most(process.stdout, MAX_REPLY_SIZE, target), _read_tail(process.stderr, MAX_STDERR_KEPT)
+        )
+        try:
+            stdout, stderr = await readers
+        except BaseException:
+            # Stop the other reader too; gather leaves it running otherwise.
+            readers.cancel()
+            raise
+        await process.wait_closed()
+        signal = process.exit_signal
+        return _AgentRun(
+            stdout=stdout,
+            stderr=stderr,
+            exit_status=process.exit_status,
+            exit_signal=signal[0] if signal else None,
+        )
+    except BaseException:
+        # Timed out or gave up: ask the server to kill the agent so it does not
+        # run on beside the next attempt. Best effort: servers may refuse (OpenSSH
+        # does for sessions without privilege separation, such as root's).
+        if process.exit_status is None:
+            try:
+                process.kill()
+            except (OSError, asyncssh.Error):
+                pass
+        raise
+    finally:
+        process.close()
+
+
+async def _read_at_most(stream: asyncssh.SSHReader[bytes], limit: int, target: TakeoverTarget) -> bytes:
+    received = bytearray()
+    while chunk := await stream.read(READ_CHUNK):
+        received += chunk
+        if len(received) > limit:
+            raise TakeoverError(
+                TakeoverFailure.BAD_REPLY,
+                target,
+                f"the agent wrote more than {limit} bytes to its standard output, which is no reply",
+            )
+    return bytes(received)
+
+
+async def _read_tail(stream: asyncssh.SSHReader[bytes], keep: int) -> bytes:
+    # Read to the end, so the agent never blocks on a full stderr, but keep only the last bytes.
+    kept = bytearray()
+    while chunk := await stream.read(READ_CHUNK):
+        kept += chunk
+        del kept[:-keep]
+    return bytes(kept)
+
+
+def _parse_reply(stdout: bytes, target: TakeoverTarget) -> takeover_pb2.TakeoverSuccess:
     if not stdout:
         raise TakeoverError(TakeoverFailure.BAD_REPLY, target, "the agent wrote nothing to its standard output")
-    if len(stdout) > MAX_REPLY_SIZE:
-        raise TakeoverError(TakeoverFailure.BAD_REPLY, target, f"the agent wrote {len(stdout)} bytes, no reply")
     response = takeover_pb2.TakeoverResponse()
     try:
         response.ParseFromString(stdout)
     except DecodeError:
         raise TakeoverError(
-            TakeoverFailure.BAD_REPLY, target, f"the agent's reply is no TakeoverResponse: {stdout[:60]!r}"
+            TakeoverFailure.BAD_REPLY,
+            target,
+            f"the agent's reply ({len(stdout)} bytes) is no TakeoverResponse: {stdout[:60]!r}",
         ) from None
     result = response.WhichOneof("result")
     if result == "error":
-        raise TakeoverError(TakeoverFailure.AGENT_ERROR, target, f"the agent said: {response.error.message}")
+        raise TakeoverError(TakeoverFailure.AGENT_ERROR, target, f"the agent reported: {response.error.message}")
     if result != "success":
-        raise TakeoverError(TakeoverFailure.BAD_REPLY, target, "the agent's TakeoverResponse has no result")
-    return response
+        raise TakeoverError(
+            TakeoverFailure.BAD_REPLY, target, f"the agent's TakeoverResponse ({len(stdout)} bytes) has no result set"
+        )
+    return response.success

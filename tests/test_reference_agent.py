@@ -1,44 +1,112 @@
-"""The reference agent as the machines run it: the built executable, as a process."""
+"""The reference agent as machines run it: a process reading stdin and answering on stdout."""
 
+from __future__ import annotations
+
+import os
 import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from agent import build
 from agent.build import build_agent_executable
+from agent.reference import KEY_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
 from proto import takeover_pb2
 
+REPO = Path(__file__).resolve().parent.parent
 
-def run_agent(executable, stdin: bytes, state_dir) -> takeover_pb2.TakeoverResponse:
-    completed = subprocess.run(
-        [str(executable)],
-        input=stdin,
-        capture_output=True,
-        check=True,
-        timeout=30,
-        env={"SHEPHERD_AGENT_STATE_DIR": str(state_dir), "PATH": "/usr/bin:/bin"},
-    )
+
+@pytest.fixture(scope="module")
+def executable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_agent_executable(tmp_path_factory.mktemp("build") / "agent")
+
+
+def run(
+    command: list[str], stdin: bytes, env: dict[str, str], cwd: Path | None = None
+) -> takeover_pb2.TakeoverResponse:
+    completed = subprocess.run(command, input=stdin, capture_output=True, timeout=60, env=env, cwd=cwd)
+    assert completed.returncode == 0, completed.stderr.decode()
     return takeover_pb2.TakeoverResponse.FromString(completed.stdout)
 
 
-def test_answers_with_the_echoed_init_and_keeps_its_key(tmp_path):
-    agent = build_agent_executable(tmp_path / "agent")
+def bare_env(**extra: str) -> dict[str, str]:
+    # Nothing of Shepherd's on the path: the agent must bring what it needs.
+    return {"PATH": "/usr/bin:/bin", **extra}
+
+
+def assert_key_kept(key_file: Path, public_key: bytes) -> None:
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    private = Ed25519PrivateKey.from_private_bytes(key_file.read_bytes())
+    assert private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) == public_key
+
+
+def test_executable_answers_with_the_echoed_init_and_keeps_its_key(executable, tmp_path):
     init = takeover_pb2.TakeoverInit(machine_id="m-1", endpoint="h:443", ca_certificate=b"\x30\x01")
-    response = run_agent(agent, init.SerializeToString(), tmp_path)
+    response = run([str(executable)], init.SerializeToString(), bare_env(**{STATE_DIR_VARIABLE: str(tmp_path)}))
     assert response.WhichOneof("result") == "success"
     assert response.success.init_message == init
     assert len(response.success.key) == 32
     assert list(response.success.warnings) == []
-    key_file = tmp_path / "agent.key"
-    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_bytes()) == 32
+    assert_key_kept(tmp_path / KEY_FILE, response.success.key)
 
 
-def test_answers_malformed_input_with_its_own_error(tmp_path):
-    response = run_agent(build_agent_executable(tmp_path / "agent"), b"\xff\xff\xff", tmp_path)
+def test_key_is_kept_beside_the_executable_by_default(executable, tmp_path):
+    copy = tmp_path / "agent"
+    copy.write_bytes(executable.read_bytes())
+    copy.chmod(0o755)
+    init = takeover_pb2.TakeoverInit(machine_id="m-2", endpoint="h:443")
+    response = run([str(copy)], init.SerializeToString(), bare_env(), cwd=Path("/"))
+    assert list(response.success.warnings) == [NO_CA_WARNING]
+    assert_key_kept(tmp_path / KEY_FILE, response.success.key)
+
+
+def test_module_runs_as_a_program(tmp_path):
+    init = takeover_pb2.TakeoverInit(machine_id="m-3", endpoint="h:443")
+    env = {**os.environ, STATE_DIR_VARIABLE: str(tmp_path / "state")}
+    response = run([sys.executable, "-m", "agent.reference"], init.SerializeToString(), env, cwd=REPO)
+    assert response.success.init_message == init
+    assert_key_kept(tmp_path / "state" / KEY_FILE, response.success.key)
+
+
+@pytest.mark.parametrize("stdin", [b"\xff\xff\xff", b""], ids=["garbage", "empty"])
+def test_unusable_input_is_answered_with_the_agents_own_error(executable, tmp_path, stdin):
+    response = run([str(executable)], stdin, bare_env(**{STATE_DIR_VARIABLE: str(tmp_path)}))
     assert response.WhichOneof("result") == "error"
     assert "malformed TakeoverInit" in response.error.message
-    assert not (tmp_path / "agent.key").exists()
+    assert not (tmp_path / KEY_FILE).exists()
 
 
-def test_build_is_deterministic(tmp_path):
+def test_unwritable_state_dir_is_answered_with_an_error(executable, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    init = takeover_pb2.TakeoverInit(machine_id="m-4", endpoint="h:443")
+    response = run([str(executable)], init.SerializeToString(), bare_env(**{STATE_DIR_VARIABLE: str(blocker)}))
+    assert response.WhichOneof("result") == "error"
+    assert "cannot store the agent key" in response.error.message
+
+
+def test_build_is_deterministic_and_self_contained(tmp_path):
     first = build_agent_executable(tmp_path / "a").read_bytes()
-    second = build_agent_executable(tmp_path / "b").read_bytes()
+    second = build_agent_executable(tmp_path / "b", python=sys.executable).read_bytes()
     assert first == second
     assert (tmp_path / "a").stat().st_mode & 0o777 == 0o755
+    with zipfile.ZipFile(tmp_path / "a") as archive:
+        assert sorted(archive.namelist()) == sorted([*build.SOURCES, "__main__.py"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_build_command_line(tmp_path):
+    out = tmp_path / "out" / "agent"
+    completed = subprocess.run(
+        [sys.executable, "-m", "agent.build", str(out), "--python", "/usr/bin/python3"],
+        capture_output=True,
+        timeout=60,
+        check=True,
+        cwd=REPO,
+    )
+    assert completed.stdout.decode().strip() == str(out)
+    assert out.read_bytes().startswith(b"#!/usr/bin/python3\n")

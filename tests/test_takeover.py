@@ -1,34 +1,40 @@
-"""take_over over real SSH: the simulator's machines, and OpenSSH's sshd for interop.
+"""take_over against OpenSSH's sshd (the reference agent, bad agents, SSH failures) and the simulator's machines.
 
-Bad agents are small scripts uploaded as the agent executable; the SSH server
-really runs them.
+Bad agents are small shell scripts uploaded as the agent executable; sshd
+really runs them, and their replies are protobuf bytes made here and embedded
+in base64.
 """
 
 from __future__ import annotations
 
 import base64
+import shlex
 import socket
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import asyncssh
 import pytest
 
 from agent.build import build_agent_executable
-from agent.takeover import TakeoverError, TakeoverFailure, TakeoverSettings, TakeoverTarget, take_over
+from agent.reference import KEY_FILE, NO_CA_WARNING
+from agent.takeover import (
+    MAX_REPLY_SIZE,
+    TakeoverError,
+    TakeoverFailure,
+    TakeoverSettings,
+    TakeoverTarget,
+    take_over,
+)
 from proto import takeover_pb2
 from providers.sim import SimProvider
 from simulator import Faults, Simulator, SimulatorConfig
-from tests.sshd_fixtures import Sshd, start_sshd
+from tests.sshd_fixtures import Sshd, sshd_fixture  # noqa: F401 (a pytest fixture, used as `sshd`)
 
 MACHINE_ID = "7a6c1e9e-0000-4000-8000-000000000001"
 ENDPOINT = "127.0.0.1:8900"
-
-
-@pytest.fixture(scope="module")
-def client_key() -> asyncssh.SSHKey:
-    return asyncssh.generate_private_key("ssh-ed25519")
 
 
 @pytest.fixture(scope="module")
@@ -36,66 +42,99 @@ def reference_agent(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return build_agent_executable(tmp_path_factory.mktemp("agent") / "agent.pyz").read_bytes()
 
 
-@pytest.fixture
-async def machine(tmp_path: Path, client_key: asyncssh.SSHKey) -> AsyncIterator[tuple[Simulator, TakeoverTarget]]:
-    """One simulated machine created with client_key, and the target to reach it."""
-    simulator = Simulator(SimulatorConfig(machines=1, state_dir=tmp_path / "sim", api_port=0, faults=Faults()))
-    await simulator.start()
-    provider = SimProvider(simulator.api_url)
-    try:
-        created = await provider.create_machine("node-0001", "test", client_key.export_public_key("openssh").decode())
-        assert created.address is not None
-        yield simulator, TakeoverTarget(machine_id=MACHINE_ID, address=created.address, port=created.ssh_port)
-    finally:
-        await provider.close()
-        await simulator.stop()
+def target_of(sshd: Sshd, **overrides: object) -> TakeoverTarget:
+    values: dict[str, object] = {
+        "machine_id": MACHINE_ID,
+        "address": "127.0.0.1",
+        "port": sshd.port,
+        "username": sshd.username,
+    }
+    values.update(overrides)
+    return TakeoverTarget(**values)  # type: ignore[arg-type]
 
 
-def settings(agent: bytes, **overrides: object) -> TakeoverSettings:
-    values: dict[str, object] = {"agent_executable": agent, "endpoint": ENDPOINT, "exec_timeout": 10.0}
+def settings(agent: bytes, target_path: Path, **overrides: object) -> TakeoverSettings:
+    values: dict[str, object] = {
+        "agent_executable": agent,
+        "endpoint": ENDPOINT,
+        "target_path": str(target_path),
+        "exec_timeout": 20.0,
+    }
     values.update(overrides)
     return TakeoverSettings(**values)  # type: ignore[arg-type]
 
 
+def script_agent(body: str) -> bytes:
+    return f"#!/bin/sh\n{body}\n".encode()
+
+
 def agent_printing(reply: bytes, exit_status: int = 0, stderr: str = "") -> bytes:
-    """A shell-script agent that reads its stdin and answers with fixed bytes."""
+    """A shell-script agent that reads all of its stdin and answers with fixed bytes."""
     encoded = base64.b64encode(reply).decode()
-    return (
-        f"#!/bin/sh\ncat > /dev/null\nprintf '%s' '{encoded}' | base64 -d\n"
-        f"printf '%s' '{stderr}' >&2\nexit {exit_status}\n"
-    ).encode()
+    return script_agent(
+        f"cat > /dev/null\nprintf '%s' '{encoded}' | base64 -d\nprintf '%s\\n' {shlex.quote(stderr)} >&2\n"
+        f"exit {exit_status}"
+    )
 
 
 def init_message() -> takeover_pb2.TakeoverInit:
     return takeover_pb2.TakeoverInit(machine_id=MACHINE_ID, endpoint=ENDPOINT)
 
 
-def success(init: takeover_pb2.TakeoverInit, key: bytes = b"k" * 32) -> bytes:
-    return takeover_pb2.TakeoverResponse(
-        success=takeover_pb2.TakeoverSuccess(init_message=init, key=key)
-    ).SerializeToString()
+def success_reply(init: takeover_pb2.TakeoverInit, key: bytes = b"k" * 32) -> bytes:
+    response = takeover_pb2.TakeoverResponse(success=takeover_pb2.TakeoverSuccess(init_message=init, key=key))
+    return response.SerializeToString()
 
 
 async def expect_failure(target: TakeoverTarget, takeover: TakeoverSettings, key: asyncssh.SSHKey) -> TakeoverError:
     with pytest.raises(TakeoverError) as caught:
         await take_over(target, takeover, key)
-    assert MACHINE_ID in str(caught.value) and target.address in str(caught.value)
-    return caught.value
+    error = caught.value
+    assert error.machine_id == MACHINE_ID and error.address == target.address
+    assert f"machine {MACHINE_ID} at {target.address}:{target.port}" in str(error)
+    return error
 
 
-async def test_reference_agent_is_taken_over(machine, client_key, reference_agent, tmp_path):
-    _, target = machine
-    result = await take_over(target, settings(reference_agent), client_key)
+# --- the reference agent ------------------------------------------------------------
+
+
+async def test_reference_agent_is_taken_over(sshd, reference_agent, tmp_path):
+    agent_path = tmp_path / "agent"
+    result = await take_over(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
     assert len(result.agent_public_key) == 32
-    assert result.host_key.startswith("ssh-ed25519 ")
-    assert result.warnings == ["no CA certificate given; the system trust store will be used"]
-    root = tmp_path / "sim" / "machines" / "node-0001" / "root-fs" / "root"
-    assert (root / "agent").stat().st_mode & 0o777 == 0o755
-    assert (root / "agent.key").stat().st_mode & 0o777 == 0o600
-    # A second takeover replaces the agent and gets a new key.
-    again = await take_over(target, settings(reference_agent), client_key)
-    assert again.agent_public_key != result.agent_public_key
-    assert again.host_key == result.host_key
+    assert result.host_key == sshd.host_key
+    assert result.warnings == [NO_CA_WARNING]
+    assert agent_path.read_bytes() == reference_agent
+    assert agent_path.stat().st_mode & 0o777 == 0o755
+    key_file = tmp_path / KEY_FILE
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    # The stored private key belongs to the public key the agent reported.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    private = Ed25519PrivateKey.from_private_bytes(key_file.read_bytes())
+    assert private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) == result.agent_public_key
+    # Only the agent is left behind: the temporary upload was renamed over it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["agent", KEY_FILE])
+
+
+async def test_a_second_takeover_replaces_the_agent_and_gets_a_new_key(sshd, reference_agent, tmp_path):
+    agent_path = tmp_path / "agent"
+    agent_path.write_bytes(b"#!/bin/sh\nexit 9\n")
+    agent_path.chmod(0o755)
+    first = await take_over(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
+    again = await take_over(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
+    assert again.agent_public_key != first.agent_public_key
+    assert again.host_key == first.host_key
+
+
+async def test_ca_certificate_reaches_the_agent(sshd, reference_agent, tmp_path):
+    takeover = settings(reference_agent, tmp_path / "agent", ca_certificate=b"\x30\x03\x02\x01\x00")
+    result = await take_over(target_of(sshd), takeover, sshd.client_key)
+    assert result.warnings == []
+
+
+# --- bad agents ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -107,13 +146,19 @@ async def test_reference_agent_is_taken_over(machine, client_key, reference_agen
             "no TakeoverResponse",
             id="garbage",
         ),
-        pytest.param(agent_printing(b""), TakeoverFailure.BAD_REPLY, "nothing", id="silence"),
+        pytest.param(agent_printing(b""), TakeoverFailure.BAD_REPLY, "wrote nothing", id="silence"),
         pytest.param(
             # Field 3 is unknown to TakeoverResponse: it parses, with no result set.
             agent_printing(b"\x18\x01"),
             TakeoverFailure.BAD_REPLY,
             "has no result",
-            id="response without result",
+            id="no result",
+        ),
+        pytest.param(
+            script_agent(f"cat > /dev/null\nhead -c {MAX_REPLY_SIZE + 1} /dev/zero"),
+            TakeoverFailure.BAD_REPLY,
+            f"more than {MAX_REPLY_SIZE} bytes",
+            id="endless reply",
         ),
         pytest.param(
             agent_printing(
@@ -122,124 +167,202 @@ async def test_reference_agent_is_taken_over(machine, client_key, reference_agen
                 ).SerializeToString()
             ),
             TakeoverFailure.AGENT_ERROR,
-            "disk on fire",
+            "the agent reported: disk on fire",
             id="agent error",
         ),
         pytest.param(
-            agent_printing(success(takeover_pb2.TakeoverInit(machine_id="someone-else", endpoint=ENDPOINT))),
+            agent_printing(success_reply(takeover_pb2.TakeoverInit(machine_id="someone-else", endpoint=ENDPOINT))),
             TakeoverFailure.INIT_NOT_ECHOED,
-            "init message",
+            "'someone-else'",
             id="init not echoed",
         ),
         pytest.param(
-            agent_printing(success(init_message(), b"k" * 31)), TakeoverFailure.BAD_KEY, "31 bytes", id="short key"
+            agent_printing(success_reply(init_message(), b"k" * 31)),
+            TakeoverFailure.BAD_KEY,
+            "31 bytes",
+            id="short key",
         ),
         pytest.param(
             agent_printing(b"", exit_status=3, stderr="cannot mount /proc"),
             TakeoverFailure.EXEC_FAILED,
-            "status 3; stderr: cannot mount /proc",
-            id="non-zero exit",
+            "exited with status 3; stderr: cannot mount /proc",
+            id="exit 3",
+        ),
+        pytest.param(
+            # A good reply does not save an agent that fails.
+            agent_printing(success_reply(init_message()), exit_status=1, stderr="late trouble"),
+            TakeoverFailure.EXEC_FAILED,
+            "exited with status 1; stderr: late trouble",
+            id="reply then exit 1",
+        ),
+        pytest.param(
+            script_agent("cat > /dev/null\necho 'out of memory' >&2\nkill -KILL $$"),
+            TakeoverFailure.EXEC_FAILED,
+            "killed by signal KILL; stderr: out of memory",
+            id="killed",
         ),
     ],
 )
-async def test_bad_agent_replies_are_named(machine, client_key, agent, failure, words):
-    _, target = machine
-    error = await expect_failure(target, settings(agent), client_key)
+async def test_bad_agents_are_named(sshd, tmp_path, agent, failure, words):
+    error = await expect_failure(target_of(sshd), settings(agent, tmp_path / "agent"), sshd.client_key)
     assert error.failure is failure
     assert words in str(error)
     assert error.retryable
 
 
-async def test_agent_that_never_answers_times_out(machine, client_key):
-    _, target = machine
-    error = await expect_failure(target, settings(b"#!/bin/sh\nexec sleep 60\n", exec_timeout=1.0), client_key)
+async def test_agent_that_never_answers_times_out(sshd, tmp_path):
+    # It never finishes, but dies of SIGPIPE once nobody reads its output any
+    # more: OpenSSH does not pass on our kill for root's sessions, and a plain
+    # sleep would outlive the test.
+    agent = script_agent("cat > /dev/null\nwhile printf ' '; do sleep 0.1; done")
+    error = await expect_failure(
+        target_of(sshd), settings(agent, tmp_path / "agent", exec_timeout=1.0), sshd.client_key
+    )
     assert error.failure is TakeoverFailure.EXEC_TIMEOUT
-    assert "running the agent" in str(error)
+    assert "while running the agent" in str(error)
+    assert error.retryable
 
 
-async def test_wrong_key_is_rejected(machine, reference_agent):
-    _, target = machine
-    stranger = asyncssh.generate_private_key("ssh-ed25519")
-    error = await expect_failure(target, settings(reference_agent), stranger)
-    assert error.failure is TakeoverFailure.AUTH_REJECTED
+async def test_agent_stderr_is_reported_on_success(sshd, tmp_path):
+    agent = agent_printing(success_reply(init_message()), stderr="using eth1")
+    result = await take_over(target_of(sshd), settings(agent, tmp_path / "agent"), sshd.client_key)
+    assert result.stderr == "using eth1"
+    assert result.agent_public_key == b"k" * 32
 
 
-async def test_refused_connection(client_key, reference_agent):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    target = TakeoverTarget(machine_id=MACHINE_ID, address="127.0.0.1", port=port)
-    error = await expect_failure(target, settings(reference_agent), client_key)
+async def test_upload_to_a_missing_directory_fails_clearly(sshd, reference_agent, tmp_path):
+    agent_path = tmp_path / "no" / "such" / "dir" / "agent"
+    error = await expect_failure(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
+    assert error.failure is TakeoverFailure.UPLOAD_FAILED
+    assert str(agent_path) in str(error)
+
+
+# --- SSH ------------------------------------------------------------------------------
+
+
+async def test_closed_port_is_refused(sshd, reference_agent, tmp_path):
+    target = target_of(sshd, port=closed_port())
+    error = await expect_failure(target, settings(reference_agent, tmp_path / "agent"), sshd.client_key)
     assert error.failure is TakeoverFailure.CONNECT_REFUSED
+    assert error.retryable
 
 
-async def test_silent_server_times_out_connecting(client_key, reference_agent):
+async def test_wrong_client_key_is_rejected(sshd, reference_agent, tmp_path):
+    stranger = asyncssh.generate_private_key("ssh-ed25519")
+    error = await expect_failure(target_of(sshd), settings(reference_agent, tmp_path / "agent"), stranger)
+    assert error.failure is TakeoverFailure.AUTH_REJECTED
+    assert sshd.username in str(error)
+    assert not (tmp_path / "agent").exists()
+
+
+async def test_changed_host_key_is_refused_before_upload(sshd, reference_agent, tmp_path):
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    error = await expect_failure(
+        target_of(sshd, pinned_host_key=other), settings(reference_agent, tmp_path / "agent"), sshd.client_key
+    )
+    assert error.failure is TakeoverFailure.HOST_KEY_CHANGED
+    assert "pinned" in str(error)
+    assert not error.retryable
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_pin_of_a_key_type_the_server_no_longer_has_is_a_changed_host_key(sshd, reference_agent, tmp_path):
+    other = asyncssh.generate_private_key("ecdsa-sha2-nistp256").export_public_key("openssh").decode().strip()
+    error = await expect_failure(
+        target_of(sshd, pinned_host_key=other), settings(reference_agent, tmp_path / "agent"), sshd.client_key
+    )
+    assert error.failure is TakeoverFailure.HOST_KEY_CHANGED
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_unreadable_pin_is_refused_before_connecting(sshd, reference_agent, tmp_path):
+    target = target_of(sshd, pinned_host_key="ssh-ed25519 not-base64")
+    error = await expect_failure(target, settings(reference_agent, tmp_path / "agent"), sshd.client_key)
+    assert error.failure is TakeoverFailure.HOST_KEY_CHANGED
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_pinned_host_key_that_matches_is_accepted(sshd, reference_agent, tmp_path):
+    target = target_of(sshd, pinned_host_key=sshd.host_key)
+    result = await take_over(target, settings(reference_agent, tmp_path / "agent"), sshd.client_key)
+    assert result.host_key == sshd.host_key
+    assert len(result.agent_public_key) == 32
+
+
+async def test_server_that_never_sends_its_banner_times_out(sshd, reference_agent, tmp_path):
     with socket.socket() as listener:
+        # The kernel completes the TCP handshake; nobody ever speaks SSH.
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        target = TakeoverTarget(machine_id=MACHINE_ID, address="127.0.0.1", port=listener.getsockname()[1])
-        error = await expect_failure(target, settings(reference_agent, connect_timeout=0.5), client_key)
+        target = target_of(sshd, port=listener.getsockname()[1])
+        takeover = settings(reference_agent, tmp_path / "agent", connect_timeout=0.5)
+        error = await expect_failure(target, takeover, sshd.client_key)
     assert error.failure is TakeoverFailure.CONNECT_TIMEOUT
+    assert error.retryable
 
 
-async def test_changed_host_key_is_refused_before_upload(machine, client_key, reference_agent, tmp_path):
-    _, target = machine
-    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
-    pinned = TakeoverTarget(machine_id=MACHINE_ID, address=target.address, port=target.port, pinned_host_key=other)
-    error = await expect_failure(pinned, settings(reference_agent), client_key)
-    assert error.failure is TakeoverFailure.HOST_KEY_CHANGED
-    assert not error.retryable
-    assert not (tmp_path / "sim" / "machines" / "node-0001" / "root-fs" / "root" / "agent").exists()
+# --- the simulator's machines ---------------------------------------------------------
 
 
-async def test_pinned_host_key_that_matches_is_accepted(machine, client_key, reference_agent):
-    _, target = machine
-    first = await take_over(target, settings(reference_agent), client_key)
-    pinned = TakeoverTarget(
-        machine_id=MACHINE_ID, address=target.address, port=target.port, pinned_host_key=first.host_key
-    )
-    assert len((await take_over(pinned, settings(reference_agent), client_key)).agent_public_key) == 32
+@pytest.fixture
+async def simulated_machine(tmp_path: Path) -> AsyncIterator[tuple[TakeoverTarget, asyncssh.SSHKey, Path]]:
+    """One simulated machine with its own SSH server: the target, the key it accepts, its root file system."""
+    client_key = asyncssh.generate_private_key("ssh-ed25519")
+    simulator = Simulator(SimulatorConfig(machines=1, state_dir=tmp_path / "sim", api_port=0, faults=Faults()))
+    await simulator.start()
+    provider = SimProvider(simulator.api_url)
+    try:
+        created = await provider.create_machine("node-0001", "test", client_key.export_public_key("openssh").decode())
+        assert created.address is not None
+        target = TakeoverTarget(machine_id=MACHINE_ID, address=created.address, port=created.ssh_port)
+        yield target, client_key, tmp_path / "sim" / "machines" / "node-0001" / "root-fs"
+    finally:
+        await provider.close()
+        await simulator.stop()
 
 
-async def test_upload_to_a_missing_directory_fails_clearly(machine, client_key, reference_agent):
-    _, target = machine
-    error = await expect_failure(target, settings(reference_agent, target_path="/no/such/dir/agent"), client_key)
-    assert error.failure is TakeoverFailure.UPLOAD_FAILED
-    assert "/no/such/dir/agent" in str(error)
-
-
-# --- OpenSSH interop --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory, client_key: asyncssh.SSHKey) -> Iterator[Sshd]:
-    yield from start_sshd(tmp_path_factory.mktemp("sshd"), client_key)
-
-
-async def test_openssh_server_runs_the_reference_agent(sshd, client_key, reference_agent):
-    target = TakeoverTarget(machine_id=MACHINE_ID, address="127.0.0.1", port=sshd.port)
-    agent_path = sshd.home / "agent"
-    result = await take_over(target, settings(reference_agent, target_path=str(agent_path)), client_key)
+async def test_simulated_machine_is_taken_over_at_the_default_path(simulated_machine, reference_agent):
+    target, client_key, root_fs = simulated_machine
+    takeover = TakeoverSettings(agent_executable=reference_agent, endpoint=ENDPOINT)
+    result = await take_over(target, takeover, client_key)
     assert len(result.agent_public_key) == 32
-    assert result.host_key == sshd.host_key
-    assert agent_path.stat().st_mode & 0o777 == 0o755
-    assert (sshd.home / "agent.key").stat().st_mode & 0o777 == 0o600
+    assert (root_fs / "root" / "agent").stat().st_mode & 0o777 == 0o755
+    assert (root_fs / "root" / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    pinned = await take_over(replace(target, pinned_host_key=result.host_key), takeover, client_key)
+    assert pinned.agent_public_key != result.agent_public_key
 
 
-async def test_openssh_server_with_a_failing_agent(sshd, client_key):
-    target = TakeoverTarget(machine_id=MACHINE_ID, address="127.0.0.1", port=sshd.port, pinned_host_key=sshd.host_key)
-    agent = agent_printing(b"", exit_status=7, stderr="no network")
-    error = await expect_failure(target, settings(agent, target_path=str(sshd.home / "bad-agent")), client_key)
-    assert error.failure is TakeoverFailure.EXEC_FAILED
-    assert "status 7" in str(error) and "no network" in str(error)
+async def test_simulated_machine_with_another_host_key_is_refused(simulated_machine, reference_agent):
+    target, client_key, root_fs = simulated_machine
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    takeover = TakeoverSettings(agent_executable=reference_agent, endpoint=ENDPOINT)
+    error = await expect_failure(replace(target, pinned_host_key=other), takeover, client_key)
+    assert error.failure is TakeoverFailure.HOST_KEY_CHANGED
+    assert not (root_fs / "root" / "agent").exists()
 
 
-async def test_openssh_server_rejects_a_stranger(sshd, reference_agent):
-    target = TakeoverTarget(machine_id=MACHINE_ID, address="127.0.0.1", port=sshd.port)
-    stranger = asyncssh.generate_private_key("ssh-ed25519")
-    error = await expect_failure(target, settings(reference_agent, target_path=str(sshd.home / "a")), stranger)
-    assert error.failure is TakeoverFailure.AUTH_REJECTED
+# --- errors ---------------------------------------------------------------------------
 
 
-def test_python_is_the_agents_interpreter(reference_agent):
+def test_errors_survive_pickling():
+    import pickle
+
+    target = TakeoverTarget(machine_id=MACHINE_ID, address="::1", port=2222)
+    error = TakeoverError(TakeoverFailure.BAD_KEY, target, "the agent's key is 31 bytes long")
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error) and copy.failure is TakeoverFailure.BAD_KEY
+    assert "at [::1]:2222" in str(error)
+
+
+def test_only_host_key_changes_need_an_operator():
+    assert [f for f in TakeoverFailure if not f.retryable] == [TakeoverFailure.HOST_KEY_CHANGED]
+
+
+def test_the_agent_runs_with_this_python(reference_agent):
     assert reference_agent.startswith(f"#!{sys.executable}\n".encode())
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
