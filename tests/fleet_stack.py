@@ -77,6 +77,18 @@ class FleetStack:
     async def status(self, provider_id: str) -> MachineStatus:
         return await self.machine(provider_id).query(MachineWorkflow.status)
 
+    async def wait_for_error(self, provider_id: str, attempts: int = 1, limit: float = 30.0) -> MachineStatus:
+        """The machine's status once its current step has failed `attempts` times."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while True:
+            status = await self.status(provider_id)
+            if status.last_error and status.attempts >= attempts:
+                return status
+            if loop.time() > deadline:
+                raise AssertionError(f"{provider_id} did not fail {attempts} time(s) within {limit}s: {status}")
+            await asyncio.sleep(0.1)
+
     async def wait_for_stage(self, provider_ids: list[str], stage: MachineStage, limit: float = 60.0) -> None:
         """Wait until every named machine's workflow reports stage; fail naming the laggards."""
         loop = asyncio.get_running_loop()

@@ -132,11 +132,7 @@ async def test_agent_error_reaches_status_and_events_and_is_retried(tmp_path, te
         tmp_path, temporal_client, bmdb_url, machines=1, agent_executable_path=failing_agent
     ) as stack:
         await stack.run_pass()
-        for _ in range(300):
-            status = await stack.status("node-0001")
-            if status.attempts >= 2:
-                break
-            await asyncio.sleep(0.1)
+        status = await stack.wait_for_error("node-0001", attempts=2)
         assert status.stage is MachineStage.AGENT_STARTING
         assert status.attempts >= 2
         assert status.last_error is not None and "disk on fire" in status.last_error
@@ -151,49 +147,31 @@ async def test_ssh_refused_is_retried_until_the_machine_answers(tmp_path, tempor
     async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
         await sim_admin(stack, "/admin/faults", {"ssh_refuse": ["*"]})
         await stack.run_pass()
-        for _ in range(300):
-            status = await stack.status("node-0001")
-            if status.last_error:
-                break
-            await asyncio.sleep(0.1)
+        status = await stack.wait_for_error("node-0001")
         assert status.stage is MachineStage.AGENT_STARTING
         assert status.last_error is not None and "CONNECT_REFUSED" in status.last_error
         await sim_admin(stack, "/admin/faults", {"ssh_refuse": []})
         await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
 
 
-async def test_provider_outage_is_retried_and_reported(tmp_path, temporal_client, bmdb_url, bmdb):
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        pytest.param("api_error_rate", "ProviderUnavailable: provider sim: create machine node-0001", id="outage"),
+        pytest.param("api_malformed_rate", "ProviderProtocolError: provider sim: create machine", id="malformed"),
+    ],
+)
+async def test_provider_faults_are_reported_and_retried(tmp_path, temporal_client, bmdb_url, bmdb, fault, error):
     async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
         machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
-        await sim_admin(stack, "/admin/faults", {"api_error_rate": 1.0})
+        await sim_admin(stack, "/admin/faults", {fault: 1.0})
         await start_machine_workflow(stack.client, stack.settings, "sim", "node-0001", str(machine_id))
-        for _ in range(300):
-            status = await stack.status("node-0001")
-            if status.last_error:
-                break
-            await asyncio.sleep(0.1)
+        status = await stack.wait_for_error("node-0001", attempts=2)
         assert status.stage is MachineStage.PROVISIONING
-        assert status.last_error is not None and status.last_error.startswith("ProviderUnavailable")
-        assert "503" in status.last_error
-        await sim_admin(stack, "/admin/faults", {"api_error_rate": 0.0})
+        assert status.last_error is not None and status.last_error.startswith(error)
+        await sim_admin(stack, "/admin/faults", {fault: 0.0})
         await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
         assert (await sim_admin(stack, "/admin/state"))["creations"] == {"node-0001": 1}
-
-
-async def test_malformed_provider_answers_are_reported_and_retried(tmp_path, temporal_client, bmdb_url, bmdb):
-    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
-        machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
-        await sim_admin(stack, "/admin/faults", {"api_malformed_rate": 1.0})
-        await start_machine_workflow(stack.client, stack.settings, "sim", "node-0001", str(machine_id))
-        for _ in range(300):
-            status = await stack.status("node-0001")
-            if status.last_error:
-                break
-            await asyncio.sleep(0.1)
-        assert status.stage is MachineStage.PROVISIONING
-        assert status.last_error is not None and status.last_error.startswith("ProviderProtocolError")
-        await sim_admin(stack, "/admin/faults", {"api_malformed_rate": 0.0})
-        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
 
 
 async def test_worker_killed_mid_fleet_leaves_no_duplicate_and_no_orphan(tmp_path, temporal_client, bmdb_url):
