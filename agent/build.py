@@ -27,8 +27,10 @@ import proto
 SOURCES: dict[str, Path] = {
     "agent/__init__.py": Path(agent.__file__),
     "agent/reference.py": Path(agent.__file__).with_name("reference.py"),
+    "agent/heartbeat.py": Path(agent.__file__).with_name("heartbeat.py"),
     "proto/__init__.py": Path(proto.__file__),
     "proto/takeover_pb2.py": Path(proto.__file__).with_name("takeover_pb2.py"),
+    "proto/agent_api_pb2.py": Path(proto.__file__).with_name("agent_api_pb2.py"),
 }
 ENTRY_POINT = "import sys\n\nfrom agent.reference import main\n\nsys.exit(main())\n"
 # Fixed timestamps and modes: the same sources always give the same bytes.

@@ -7,11 +7,12 @@ Shepherd reports what the agent saw rather than a bare exit status.
 
 It makes an ed25519 key for itself and keeps the private half, as the 32 raw
 private-key bytes with mode 0600, in ``agent.key`` in the directory of the
-executable, or in ``$SHEPHERD_AGENT_STATE_DIR`` if that is set; the
-heartbeats of a later version are signed with it.
+executable, or in ``$SHEPHERD_AGENT_STATE_DIR`` if that is set. After a
+successful answer it detaches from the SSH session and sends heartbeats signed
+with that key to the endpoint it was given (agent.heartbeat).
 
-Only protobuf, cryptography and the ``proto`` package are needed: the module
-is packed alone into the executable (see agent.build).
+Only protobuf, cryptography, grpcio and the ``proto`` package are needed: the
+agent modules are packed alone into the executable (see agent.build).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -28,6 +30,9 @@ from google.protobuf.message import DecodeError
 from proto import takeover_pb2
 
 KEY_FILE = "agent.key"
+LOG_FILE = "agent.log"
+# "off" answers the takeover and exits, without heartbeats: for checking the protocol alone.
+HEARTBEATS_VARIABLE = "SHEPHERD_AGENT_HEARTBEATS"
 STATE_DIR_VARIABLE = "SHEPHERD_AGENT_STATE_DIR"
 NO_CA_WARNING = "no CA certificate given; the system trust store will be used"
 
@@ -89,10 +94,36 @@ def answer(init_bytes: bytes) -> takeover_pb2.TakeoverResponse:
 
 
 def main() -> int:
-    response = answer(sys.stdin.buffer.read())
+    init_bytes = sys.stdin.buffer.read()
+    response = answer(init_bytes)
     sys.stdout.buffer.write(response.SerializeToString())
     sys.stdout.buffer.flush()
+    if response.WhichOneof("result") == "success" and os.environ.get(HEARTBEATS_VARIABLE) != "off":
+        heartbeat(response.success.init_message)
     return 0
+
+
+def heartbeat(init: takeover_pb2.TakeoverInit) -> None:
+    """Detach from the SSH session and send heartbeats, logging to agent.log."""
+    from agent.heartbeat import HeartbeatLoop, detach
+
+    directory = state_dir()
+    key = Ed25519PrivateKey.from_private_bytes((directory / KEY_FILE).read_bytes())
+    if not detach():
+        return
+    log_path = directory / LOG_FILE
+
+    def log(line: str) -> None:
+        with log_path.open("a") as file:
+            file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+    log(f"agent for machine {init.machine_id} sending heartbeats to {init.endpoint}")
+    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, init.ca_certificate, log=log)
+    try:
+        log(f"stopped: {loop.run()}")
+    except Exception as error:  # the daemon has no one else to tell
+        log(f"stopped by an error: {error!r}")
+    os._exit(0)
 
 
 if __name__ == "__main__":

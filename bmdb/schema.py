@@ -61,6 +61,8 @@ machine_agent_heartbeat = Table(
     metadata,
     Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"), primary_key=True),
     Column("agent_heartbeat_at", DateTime(timezone=True), nullable=False),
+    # The agent's clock on the last accepted heartbeat; a request not newer is a replay.
+    Column("agent_sent_at", DateTime(timezone=True)),
 )
 
 # Append-only log of every lifecycle step. Fleet-wide events (a refused

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy import DateTime, and_, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -273,6 +273,41 @@ class BMDB:
         async with self.engine.begin() as conn:
             await conn.execute(statement)
 
+    async def agent_public_key(self, machine_id: uuid.UUID) -> bytes | None:
+        """The key the machine's running agent reported at takeover, if an agent runs."""
+        async with self.engine.connect() as conn:
+            key = await conn.scalar(
+                select(machine_agent_started.c.agent_public_key).where(machine_agent_started.c.machine_id == machine_id)
+            )
+            return None if key is None else bytes(key)
+
+    async def record_heartbeat(self, machine_id: uuid.UUID, agent_public_key: bytes, sent_at: datetime) -> bool:
+        """Record a heartbeat of the agent with this key, unless one sent later was recorded already.
+
+        One statement: the agent must still be the one with this key, and
+        sent_at must be newer than the last accepted one. False means the
+        heartbeat is stale or replayed, or the agent was replaced meanwhile.
+        """
+        started = select(
+            machine_agent_started.c.machine_id, func.now(), literal(sent_at, DateTime(timezone=True))
+        ).where(
+            machine_agent_started.c.machine_id == machine_id,
+            machine_agent_started.c.agent_public_key == agent_public_key,
+        )
+        insertion = pg_insert(machine_agent_heartbeat).from_select(
+            ["machine_id", "agent_heartbeat_at", "agent_sent_at"], started
+        )
+        statement = insertion.on_conflict_do_update(
+            index_elements=[machine_agent_heartbeat.c.machine_id],
+            set_={"agent_heartbeat_at": func.now(), "agent_sent_at": insertion.excluded.agent_sent_at},
+            where=or_(
+                machine_agent_heartbeat.c.agent_sent_at.is_(None),
+                machine_agent_heartbeat.c.agent_sent_at < insertion.excluded.agent_sent_at,
+            ),
+        ).returning(machine_agent_heartbeat.c.machine_id)
+        async with self.engine.begin() as conn:
+            return (await conn.execute(statement)).first() is not None
+
     # --- events ----------------------------------------------------------------
 
     async def add_event(self, machine_id: uuid.UUID | None, kind: str, detail: str = "") -> None:
@@ -296,6 +331,8 @@ class BMDB:
             counts: dict[str, int] = {str(status): int(n) for status, n in rows}
             started = await conn.scalar(select(func.count()).select_from(machine_agent_started))
             counts["agent_started"] = int(started or 0)
+            heartbeating = await conn.scalar(select(func.count()).select_from(machine_agent_heartbeat))
+            counts["heartbeating"] = int(heartbeating or 0)
             return counts
 
 

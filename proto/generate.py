@@ -27,10 +27,17 @@ def generate(out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(p.relative_to(ROOT)) for p in proto_files()]
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}", *sources]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *sources,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {', '.join(sources)}")
-    return sorted((out_dir / "proto").glob("*_pb2.py*"))
+    return sorted((out_dir / "proto").glob("*_pb2*.py*"))
 
 
 def stale_files() -> list[str]:

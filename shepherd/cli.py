@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     migrate = commands.add_parser("migrate", help="create or upgrade the BMDB schema")
     _add_common(migrate)
 
+    heartbeat = commands.add_parser("heartbeat-server", help="serve the agents' authenticated heartbeats")
+    _add_common(heartbeat)
+    heartbeat.add_argument("--listen", dest="heartbeat_listen", help="host:port (default 0.0.0.0:8900)")
+
     machines = commands.add_parser("machines", help="one line per machine: id, address, stage, agent start")
     _add_common(machines)
 
@@ -82,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
-    for name in ("temporal_address", "temporal_namespace", "database_url", "state_dir", "task_queue"):
+    for name in (
+        "temporal_address",
+        "temporal_namespace",
+        "database_url",
+        "state_dir",
+        "task_queue",
+        "heartbeat_listen",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -143,6 +154,8 @@ def _run(args: argparse.Namespace) -> int:
             return _worker(settings)
         if args.command == "machines":
             return _machines(settings)
+        if args.command == "heartbeat-server":
+            return _heartbeat_server(settings)
     except StartupError as error:
         raise CommandError(str(error)) from None
     raise CommandError(f"unknown command {args.command!r}")
@@ -167,6 +180,18 @@ def _worker(settings: Settings) -> int:
     settings.check_agent()
     with database(settings) as url:
         asyncio.run(run_worker(settings, url))
+    return EXIT_OK
+
+
+def _heartbeat_server(settings: Settings) -> int:
+    from shepherd.heartbeat_server import run_heartbeat_server
+
+    settings.check_heartbeat_server()
+    with database(settings) as url:
+        try:
+            asyncio.run(run_heartbeat_server(settings, url))
+        except OSError as error:
+            raise CommandError(str(error)) from None
     return EXIT_OK
 
 

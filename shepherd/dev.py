@@ -29,17 +29,19 @@ from bmdb.store import BMDB
 from shepherd.fleet_view import machine_stages
 from shepherd.postgres import LocalPostgres
 from shepherd.settings import ENV_PREFIX, Settings
+from shepherd.tls import local_certificates
 from workflows.types import MACHINE_WORKFLOW_TYPE, MachineStage, MachineStatus
 
 TEMPORAL_PORT = 7233
 TEMPORAL_UI_PORT = 8233
 SIM_API_PORT = 8800
-# Where agents will call back; the heartbeat server listens here.
-AGENT_ENDPOINT = "127.0.0.1:8900"
+# Where agents call back; the heartbeat server listens here.
+HEARTBEAT_PORT = 8900
+AGENT_ENDPOINT = f"127.0.0.1:{HEARTBEAT_PORT}"
 
 
 # What the embedded stack keeps in the state dir, and --fresh deletes.
-DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key")
+DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key", "tls")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,13 @@ class DevError(Exception):
 
 def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
     """Settings of the embedded stack: everything local, back-offs short enough to watch."""
+    certificates = local_certificates(state / "tls")
     return base.replace(
+        heartbeat_listen=AGENT_ENDPOINT,
+        heartbeat_tls_certificate_path=certificates.server_certificate,
+        heartbeat_tls_key_path=certificates.server_key,
+        agent_endpoint_ca_certificate_path=certificates.ca_certificate,
+        heartbeat_interval=10.0,
         temporal_address=f"127.0.0.1:{TEMPORAL_PORT}",
         state_dir=state,
         sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
@@ -190,6 +198,7 @@ class DevStack:
             (TEMPORAL_PORT, "Temporal"),
             (TEMPORAL_UI_PORT, "Temporal UI"),
             (SIM_API_PORT, "simulator API"),
+            (HEARTBEAT_PORT, "heartbeat server"),
         ):
             check_port_free(port, what)
         logs = self.state / "logs"
@@ -251,14 +260,19 @@ class DevStack:
         await self.wait_until(self.simulator_ready, settings.sim_api_url + "/healthz", "the simulator API")
 
         client = await self.wait_until(self.temporal_client, settings, "the Temporal server")
-        self.say("starting the worker")
+        child_env = {**settings_environment(settings), "SHEPHERD_DATABASE_URL": database_url}
+        self.say(f"starting the heartbeat server on {AGENT_ENDPOINT} (TLS)")
         self.children.append(
             Child(
-                "worker",
-                [sys.executable, "-m", "shepherd", "worker"],
-                logs / "worker.log",
-                env={**settings_environment(settings), "SHEPHERD_DATABASE_URL": database_url},
+                "heartbeat-server",
+                [sys.executable, "-m", "shepherd", "heartbeat-server"],
+                logs / "heartbeat-server.log",
+                env=child_env,
             )
+        )
+        self.say("starting the worker")
+        self.children.append(
+            Child("worker", [sys.executable, "-m", "shepherd", "worker"], logs / "worker.log", env=child_env)
         )
         from worker import ensure_fleet_schedule
 
@@ -304,7 +318,8 @@ class DevStack:
                 watching = stages.get(MachineStage.WATCHING, 0)
                 line = (
                     f"{counts.get('provided', 0) + counts.get('creating', 0)}/{wanted} in BMDB, "
-                    f"{counts.get('agent_started', 0)} agents started; workflows: "
+                    f"{counts.get('agent_started', 0)} agents started, "
+                    f"{counts.get('heartbeating', 0)} heartbeating; workflows: "
                     + (", ".join(f"{stage} {n}" for stage, n in sorted(stages.items())) or "none yet")
                 )
                 if line != last_line:

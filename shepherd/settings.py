@@ -78,6 +78,14 @@ class Settings:
         None, "PEM CA certificate of the agent endpoint; unset: the agent uses its system trust store"
     )
 
+    # Heartbeat server (the agent callback API)
+    heartbeat_listen: str = _setting("0.0.0.0:8900", "host:port the heartbeat server listens on")
+    heartbeat_tls_certificate_path: Path | None = _setting(None, "PEM certificate chain of the heartbeat server")
+    heartbeat_tls_key_path: Path | None = _setting(None, "PEM private key of the heartbeat server")
+    heartbeat_plaintext: bool = _setting(False, "Serve heartbeats without TLS (behind a TLS-terminating proxy)")
+    heartbeat_interval: float = _duration(30.0, "How often agents are asked to send a heartbeat")
+    heartbeat_max_skew: float = _duration(300.0, "Largest difference between agent and server clocks accepted")
+
     # Lifecycle back-offs (the seed's defaults)
     agent_start_backoff_initial: float = _duration(300.0, "First wait after a failed agent start")
     agent_start_backoff_maximum: float = _duration(4 * 3600.0, "Longest wait between agent starts")
@@ -173,6 +181,22 @@ class Settings:
             raise SettingsError("agent_endpoint_ca_certificate_path", f"{ca} is not a readable file")
         return self
 
+    def check_heartbeat_server(self) -> Settings:
+        """What the heartbeat server needs on top of check()."""
+        self.check()
+        _, sep, port = self.heartbeat_listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise SettingsError("heartbeat_listen", f"must be host:port, got {self.heartbeat_listen!r}")
+        if self.heartbeat_plaintext:
+            return self
+        for name in ("heartbeat_tls_certificate_path", "heartbeat_tls_key_path"):
+            path = getattr(self, name)
+            if path is None:
+                raise SettingsError(name, "must be set, or heartbeat_plaintext=true to serve without TLS")
+            if not path.is_file():
+                raise SettingsError(name, f"{path} is not a readable file")
+        return self
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from ``SHEPHERD_<NAME>`` variables, then explicit overrides (CLI flags)."""
@@ -207,9 +231,20 @@ def _convert(name: str, raw: str, hint: Any, duration: bool) -> Any:
     try:
         if duration:
             return parse_duration(text)
+        if target is bool:
+            return _parse_bool(text)
         return target(text)
     except ValueError as exc:
         raise SettingsError(name, f"cannot use {raw!r}: {exc}") from None
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
 
 
 def describe() -> list[tuple[str, str, str]]:

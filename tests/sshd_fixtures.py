@@ -21,6 +21,8 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from tests.processes import kill_processes_mentioning
+
 SSHD = Path("/usr/sbin/sshd")
 START_TIMEOUT = 10.0
 
@@ -102,3 +104,5 @@ Subsystem sftp internal-sftp
     finally:
         process.terminate()
         process.wait(10)
+        # Agents detach and keep sending heartbeats; their SSH_CONNECTION names this server's port.
+        kill_processes_mentioning(f" 127.0.0.1 {port}\0")

@@ -98,7 +98,7 @@ def test_migrate_then_migrate_again(postgres_server):
     for _ in range(2):
         result = shepherd("migrate", env=env)
         assert result.returncode == 0, result.stderr
-        assert "schema revision 0001" in result.stdout
+        assert "schema revision 0002" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent import build
 from agent.build import build_agent_executable
-from agent.reference import KEY_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
+from agent.reference import HEARTBEATS_VARIABLE, KEY_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
 from proto import takeover_pb2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,6 +28,8 @@ def executable(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(
     command: list[str], stdin: bytes, env: dict[str, str], cwd: Path | None = None
 ) -> takeover_pb2.TakeoverResponse:
+    # Heartbeats off: these tests check the takeover answer alone.
+    env = {**env, HEARTBEATS_VARIABLE: "off"}
     completed = subprocess.run(command, input=stdin, capture_output=True, timeout=60, env=env, cwd=cwd)
     assert completed.returncode == 0, completed.stderr.decode()
     return takeover_pb2.TakeoverResponse.FromString(completed.stdout)

@@ -1,0 +1,164 @@
+"""The agent callback server: authenticated heartbeats into BMDB.
+
+Every request is signed with the ed25519 key the agent reported at takeover.
+The answer to an unknown machine, a wrong key and a bad signature is the same,
+so nothing leaks about which machines exist. Accepted heartbeats go to BMDB
+only: the fleet watchdog reads them there, and no workflow is woken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from google.protobuf.message import DecodeError
+from sqlalchemy.exc import SQLAlchemyError
+
+from agent.heartbeat import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
+from bmdb.store import BMDB
+from proto import agent_api_pb2
+from shepherd.settings import Settings
+
+log = logging.getLogger("shepherd.heartbeat")
+
+SERVICE = "shepherd.agent.v1.AgentCallback"
+# A HeartbeatRequest is about 150 bytes; anything far larger is not one.
+MAX_REQUEST_SIZE = 1024
+NOT_ACCEPTED = "heartbeat not accepted: unknown machine, or not signed by its agent's key"
+
+
+class HeartbeatRejected(Exception):
+    def __init__(self, code: grpc.StatusCode, result: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.result = result
+
+
+def _reject(code: grpc.StatusCode, result: str, message: str) -> NoReturn:
+    raise HeartbeatRejected(code, result, message)
+
+
+class HeartbeatService:
+    def __init__(self, bmdb: BMDB, *, interval: float, max_skew: float, clock: Callable[[], float] = time.time) -> None:
+        self.bmdb = bmdb
+        self.interval_ms = int(interval * 1000)
+        self.max_skew_ms = int(max_skew * 1000)
+        self.clock = clock
+        # Requests by result, for logs now and metrics later.
+        self.results: Counter[str] = Counter()
+
+    async def handle(self, request_bytes: bytes, context: grpc.aio.ServicerContext) -> agent_api_pb2.HeartbeatResponse:
+        try:
+            response = await self.check_and_record(request_bytes)
+        except HeartbeatRejected as rejection:
+            self.results[rejection.result] += 1
+            log.info("heartbeat rejected (%s) from %s", rejection.result, context.peer())
+            await context.abort(rejection.code, str(rejection))
+        self.results["accepted"] += 1
+        return response
+
+    async def check_and_record(self, request_bytes: bytes) -> agent_api_pb2.HeartbeatResponse:
+        request = agent_api_pb2.HeartbeatRequest()
+        try:
+            request.ParseFromString(request_bytes)
+        except DecodeError:
+            _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "the request is not a HeartbeatRequest")
+        try:
+            machine_id = uuid.UUID(request.machine_id)
+        except ValueError:
+            _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "machine_id must be the UUID from TakeoverInit")
+        if len(request.nonce) != NONCE_SIZE:
+            _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"nonce must be {NONCE_SIZE} bytes")
+        if len(request.signature) != SIGNATURE_SIZE:
+            _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"signature must be {SIGNATURE_SIZE} bytes")
+        if request.sent_at_unix_ms <= 0:
+            _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "sent_at_unix_ms must be set")
+        skew = abs(self.clock() * 1000 - request.sent_at_unix_ms)
+        if skew > self.max_skew_ms:
+            _reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "stale",
+                f"sent_at_unix_ms is {skew / 1000:.0f}s from the server's clock"
+                f" (at most {self.max_skew_ms / 1000:.0f}s)",
+            )
+        try:
+            key = await self.bmdb.agent_public_key(machine_id)
+            if key is None or not _signed_by(key, request):
+                _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
+            sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
+            recorded = await self.bmdb.record_heartbeat(machine_id, key, sent_at)
+        except SQLAlchemyError as error:
+            log.error("BMDB failed while recording a heartbeat: %s", error)
+            _reject(grpc.StatusCode.UNAVAILABLE, "unavailable", "BMDB is unavailable; try again")
+        if not recorded:
+            _reject(
+                grpc.StatusCode.ALREADY_EXISTS, "replayed", "a heartbeat sent at or after this one was already accepted"
+            )
+        return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=self.interval_ms)
+
+
+def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(key).verify(
+            request.signature, signing_payload(request.machine_id, request.sent_at_unix_ms, request.nonce)
+        )
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def build_server(service: HeartbeatService, listen: str, tls: tuple[Path, Path] | None) -> tuple[grpc.aio.Server, int]:
+    """The gRPC server and the port it bound; tls is (certificate chain, private key) PEM files."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_REQUEST_SIZE)])
+    handler = grpc.unary_unary_rpc_method_handler(
+        service.handle,
+        # Parsed by the service, so malformed bytes get INVALID_ARGUMENT, not a generic error.
+        request_deserializer=None,
+        response_serializer=agent_api_pb2.HeartbeatResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": handler}),))
+    if tls is None:
+        port = server.add_insecure_port(listen)
+    else:
+        certificate, key = (path.read_bytes() for path in tls)
+        port = server.add_secure_port(listen, grpc.ssl_server_credentials([(key, certificate)]))
+    return server, port
+
+
+async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: asyncio.Event | None = None) -> None:
+    """Serve heartbeats until SIGTERM/SIGINT (or stop is set)."""
+    from worker import open_bmdb
+
+    bmdb = await open_bmdb(database_url)
+    tls = None
+    if not settings.heartbeat_plaintext:
+        assert settings.heartbeat_tls_certificate_path and settings.heartbeat_tls_key_path
+        tls = (settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path)
+    service = HeartbeatService(bmdb, interval=settings.heartbeat_interval, max_skew=settings.heartbeat_max_skew)
+    server, port = build_server(service, settings.heartbeat_listen, tls)
+    if port == 0:
+        await bmdb.close()
+        raise OSError(f"cannot listen on {settings.heartbeat_listen} (setting heartbeat_listen)")
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    log.info("heartbeat server on %s (%s)", settings.heartbeat_listen, "plain text" if tls is None else "TLS")
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=5)
+        await bmdb.close()
+        log.info("heartbeat server stopped; requests by result: %s", dict(service.results))

@@ -1,0 +1,98 @@
+"""The reference agent's heartbeats, end to end: built executable, detached daemon, TLS, BMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from agent.build import build_agent_executable
+from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
+from bmdb.store import BMDB
+from proto import takeover_pb2
+from shepherd.heartbeat_server import HeartbeatService, build_server
+from shepherd.tls import local_certificates
+from tests.processes import kill_processes_mentioning
+
+
+async def start_server(bmdb: BMDB, tmp_path: Path, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    certificates = local_certificates(tmp_path / "tls")
+    service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0)
+    server, bound = build_server(
+        service, f"127.0.0.1:{port}", (certificates.server_certificate, certificates.server_key)
+    )
+    await server.start()
+    return server, bound
+
+
+async def heartbeat_after(bmdb: BMDB, machine_id, after: datetime | None, limit: float = 30.0) -> datetime:
+    """The machine's heartbeat time once it is later than after."""
+    for _ in range(int(limit / 0.1)):
+        record = await bmdb.get_machine(machine_id)
+        assert record is not None
+        if record.agent_heartbeat_at and (after is None or record.agent_heartbeat_at > after):
+            return record.agent_heartbeat_at
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no heartbeat after {after} within {limit}s")
+
+
+def agent_running(state_dir: Path) -> bool:
+    marker = f"{STATE_DIR_VARIABLE}={state_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_a_newer_agent(tmp_path, bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    server, port = await start_server(bmdb, tmp_path)
+    ca_der = x509.load_pem_x509_certificate(
+        local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
+    ).public_bytes(Encoding.DER)
+    init = takeover_pb2.TakeoverInit(machine_id=str(machine_id), endpoint=f"127.0.0.1:{port}", ca_certificate=ca_der)
+    state_dir = tmp_path / "agent-state"
+    state_dir.mkdir()
+    try:
+        completed = await asyncio.to_thread(
+            subprocess.run,
+            [str(build_agent_executable(tmp_path / "agent"))],
+            input=init.SerializeToString(),
+            capture_output=True,
+            env={STATE_DIR_VARIABLE: str(state_dir), "PATH": "/usr/bin:/bin"},
+            timeout=30,
+            check=True,
+        )
+        # The SSH session would end here: the agent answered and detached.
+        response = takeover_pb2.TakeoverResponse.FromString(completed.stdout)
+        assert response.WhichOneof("result") == "success"
+        assert agent_running(state_dir)
+        await bmdb.record_agent_started(machine_id, datetime.now(UTC), response.success.key)
+        first = await heartbeat_after(bmdb, machine_id, None)
+
+        # The server goes away for a while; the agent keeps trying and catches up when it is back.
+        await server.stop(None)
+        await asyncio.sleep(1.0)
+        assert agent_running(state_dir)
+        server, _ = await start_server(bmdb, tmp_path, port)
+        await heartbeat_after(bmdb, machine_id, first)
+
+        # A newer agent took over (another key): this one is refused and stops.
+        await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"\x01" * 32)
+        for _ in range(300):
+            if not agent_running(state_dir):
+                break
+            await asyncio.sleep(0.1)
+        assert not agent_running(state_dir)
+        assert "a newer agent has taken over" in (state_dir / LOG_FILE).read_text()
+    finally:
+        kill_processes_mentioning(str(state_dir))
+        await server.stop(None)

@@ -1,0 +1,155 @@
+"""The heartbeat server over real gRPC (TLS) with a real BMDB: who gets in, who does not."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import grpc
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from agent.heartbeat import signed_heartbeat
+from bmdb.store import BMDB
+from proto import agent_api_pb2, agent_api_pb2_grpc
+from shepherd.heartbeat_server import SERVICE, HeartbeatService, build_server
+from shepherd.tls import local_certificates
+
+
+@dataclass
+class Agent:
+    machine_id: uuid.UUID
+    key: Ed25519PrivateKey
+
+
+@dataclass
+class HeartbeatEndpoint:
+    channel: grpc.aio.Channel
+    stub: agent_api_pb2_grpc.AgentCallbackStub
+    service: HeartbeatService
+
+
+@pytest.fixture
+async def agent(bmdb: BMDB) -> Agent:
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    key = Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+    return Agent(machine_id, key)
+
+
+@pytest.fixture
+async def endpoint(bmdb: BMDB, tmp_path) -> AsyncIterator[HeartbeatEndpoint]:
+    certificates = local_certificates(tmp_path / "tls")
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0)
+    server, port = build_server(service, "127.0.0.1:0", (certificates.server_certificate, certificates.server_key))
+    await server.start()
+    credentials = grpc.ssl_channel_credentials(root_certificates=certificates.ca_certificate.read_bytes())
+    channel = grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
+    yield HeartbeatEndpoint(channel, agent_api_pb2_grpc.AgentCallbackStub(channel), service)
+    await channel.close()
+    await server.stop(None)
+
+
+async def heartbeat_at(bmdb: BMDB, machine_id: uuid.UUID) -> datetime | None:
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None
+    return record.agent_heartbeat_at
+
+
+async def rejected(endpoint: HeartbeatEndpoint, request: agent_api_pb2.HeartbeatRequest) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await endpoint.stub.Heartbeat(request)
+    return caught.value
+
+
+async def test_signed_heartbeat_is_recorded(endpoint, agent, bmdb):
+    assert await heartbeat_at(bmdb, agent.machine_id) is None
+    response = await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
+    assert response.next_heartbeat_in_ms == 30_000
+    assert await heartbeat_at(bmdb, agent.machine_id) is not None
+    assert endpoint.service.results["accepted"] == 1
+
+
+async def test_unknown_machine_and_wrong_key_get_the_same_answer(endpoint, agent, bmdb):
+    stranger = await rejected(endpoint, signed_heartbeat(str(uuid.uuid4()), agent.key))
+    wrong_key = await rejected(endpoint, signed_heartbeat(str(agent.machine_id), Ed25519PrivateKey.generate()))
+    assert stranger.code() == wrong_key.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert stranger.details() == wrong_key.details()
+    assert await heartbeat_at(bmdb, agent.machine_id) is None
+
+
+async def test_bad_signature_is_unauthenticated(endpoint, agent, bmdb):
+    request = signed_heartbeat(str(agent.machine_id), agent.key)
+    request.sent_at_unix_ms += 1  # the signature covered the old time
+    assert (await rejected(endpoint, request)).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await heartbeat_at(bmdb, agent.machine_id) is None
+
+
+async def test_stale_timestamp_is_refused(endpoint, agent, bmdb):
+    ten_minutes_ago = int(datetime.now(UTC).timestamp() * 1000) - 600_000
+    error = await rejected(endpoint, signed_heartbeat(str(agent.machine_id), agent.key, now_ms=ten_minutes_ago))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "clock" in (error.details() or "")
+    assert await heartbeat_at(bmdb, agent.machine_id) is None
+
+
+async def test_replayed_and_older_requests_are_refused(endpoint, agent, bmdb):
+    now = int(datetime.now(UTC).timestamp() * 1000)
+    first = signed_heartbeat(str(agent.machine_id), agent.key, now_ms=now)
+    await endpoint.stub.Heartbeat(first)
+    recorded = await heartbeat_at(bmdb, agent.machine_id)
+    assert (await rejected(endpoint, first)).code() == grpc.StatusCode.ALREADY_EXISTS
+    older = signed_heartbeat(str(agent.machine_id), agent.key, now_ms=now - 1000)
+    assert (await rejected(endpoint, older)).code() == grpc.StatusCode.ALREADY_EXISTS
+    assert await heartbeat_at(bmdb, agent.machine_id) == recorded
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"machine_id": "not-a-uuid"}, "machine_id"),
+        ({"nonce": b""}, "nonce"),
+        ({"signature": b""}, "signature"),
+        ({"sent_at_unix_ms": 0}, "sent_at_unix_ms"),
+    ],
+)
+async def test_missing_or_malformed_fields_are_named(endpoint, agent, bmdb, change, field):
+    request = signed_heartbeat(str(agent.machine_id), agent.key)
+    for name, value in change.items():
+        setattr(request, name, value)
+    error = await rejected(endpoint, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (error.details() or "")
+    assert await heartbeat_at(bmdb, agent.machine_id) is None
+
+
+async def raw_call(endpoint: HeartbeatEndpoint, payload: bytes) -> grpc.aio.AioRpcError:
+    call = endpoint.channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(payload)
+    return caught.value
+
+
+async def test_bytes_that_are_no_request_and_oversized_requests(endpoint, agent, bmdb):
+    assert (await raw_call(endpoint, b"\xff\xff\xff\xff")).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (await raw_call(endpoint, b"\x0a" + b"\x80" * 5000)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The server keeps serving after all that.
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
+    assert await heartbeat_at(bmdb, agent.machine_id) is not None
+    assert endpoint.service.results["malformed"] == 1
+
+
+async def test_plain_text_only_when_asked(bmdb, agent):
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0)
+    server, port = build_server(service, "127.0.0.1:0", None)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            await stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
+    finally:
+        await server.stop(None)
