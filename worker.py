@@ -28,6 +28,7 @@ from temporalio.worker import Worker
 from activities.deps import ActivityDeps
 from activities.fleet import FleetActivities
 from activities.provisioning import ProvisioningActivities
+from activities.recovery import RecoveryActivities
 from activities.takeover import TakeoverActivities
 from bmdb import migrate
 from bmdb.store import BMDB, BMDBUnavailable, redact_url
@@ -118,6 +119,7 @@ def build_worker(client: Client, deps: ActivityDeps) -> Worker:
     fleet = FleetActivities(deps)
     provisioning = ProvisioningActivities(deps)
     takeover = TakeoverActivities(deps)
+    recovery = RecoveryActivities(deps)
     return Worker(
         client,
         task_queue=settings.task_queue,
@@ -126,6 +128,8 @@ def build_worker(client: Client, deps: ActivityDeps) -> Worker:
             fleet.plan_reconcile_pass,
             fleet.admit_machine,
             fleet.ensure_machine_workflows,
+            fleet.signal_silent_machines,
+            recovery.reboot_machine,
             provisioning.provision_machine,
             takeover.start_agent,
         ],
@@ -138,6 +142,8 @@ def build_worker(client: Client, deps: ActivityDeps) -> Worker:
 
 def fleet_input(settings: Settings) -> FleetInput:
     return FleetInput(
+        first_heartbeat_within=settings.first_heartbeat_timeout,
+        heartbeat_within=settings.heartbeat_timeout,
         provider=settings.provider,
         max_machines=settings.max_machines,
         chunk_size=settings.chunk_size,

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import datetime
 
 from temporalio import activity
+from temporalio.service import RPCError
 
 from activities.deps import ActivityDeps, provider_errors
 from activities.workflow_start import start_machine_workflow
 from shepherd.reconcile import plan_reconcile
 from workflows.types import (
+    HEARTBEAT_LOST_SIGNAL,
     MACHINE_WORKFLOW_TYPE,
     AdmitInput,
     EnsureWorkflowsInput,
     EnsureWorkflowsResult,
     ReconcilePassInput,
     ReconcilePassPlan,
+    WatchdogInput,
     machine_workflow_id,
 )
 
@@ -64,6 +68,29 @@ class FleetActivities:
             disagreement_count=len(disagreements),
             note=plan.note,
         )
+
+    @activity.defn
+    async def signal_silent_machines(self, input: WatchdogInput) -> list[str]:
+        """Tell the workflow of every machine whose agent went silent; one BMDB query a pass."""
+        silent = await self.deps.bmdb.silent_machines(
+            input.provider,
+            as_of=datetime.fromisoformat(input.as_of),
+            first_heartbeat_within=input.first_heartbeat_within,
+            heartbeat_within=input.heartbeat_within,
+        )
+        signalled = []
+        for machine in silent:
+            handle = self.deps.client.get_workflow_handle(machine_workflow_id(input.provider, machine.provider_id))
+            try:
+                await handle.signal(HEARTBEAT_LOST_SIGNAL, machine.cause())
+            except RPCError as error:
+                # No running workflow: the ensure step of this pass starts one.
+                log.warning("cannot signal %s: %s", handle.id, error)
+                continue
+            signalled.append(machine.provider_id)
+        if signalled:
+            log.info("agents silent on %d machine(s): %s", len(signalled), ", ".join(signalled[:20]))
+        return signalled
 
     @activity.defn
     async def admit_machine(self, input: AdmitInput) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import DateTime, and_, func, insert, literal, or_, select, update
+from sqlalchemy import DateTime, and_, delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -55,6 +55,19 @@ class MachineRecord:
     agent_started_at: datetime | None
     agent_public_key: bytes | None
     agent_heartbeat_at: datetime | None
+
+
+@dataclass(frozen=True)
+class SilentMachine:
+    machine_id: uuid.UUID
+    provider_id: str
+    agent_started_at: datetime
+    agent_heartbeat_at: datetime | None
+
+    def cause(self) -> str:
+        if self.agent_heartbeat_at is None:
+            return f"no heartbeat since the agent started at {self.agent_started_at.isoformat(timespec='seconds')}"
+        return f"last heartbeat at {self.agent_heartbeat_at.isoformat(timespec='seconds')}"
 
 
 @dataclass(frozen=True)
@@ -307,6 +320,51 @@ class BMDB:
         ).returning(machine_agent_heartbeat.c.machine_id)
         async with self.engine.begin() as conn:
             return (await conn.execute(statement)).first() is not None
+
+    async def silent_machines(
+        self, provider: str, *, as_of: datetime, first_heartbeat_within: float, heartbeat_within: float
+    ) -> list[SilentMachine]:
+        """Machines whose agent needs recovery, in one set-based query (the seed's rule).
+
+        Silent: the agent started more than first_heartbeat_within seconds
+        before as_of and never sent a heartbeat, or its last heartbeat is more
+        than heartbeat_within seconds old.
+        """
+        never = machine_agent_heartbeat.c.machine_id.is_(None) & (
+            machine_agent_started.c.agent_started_at < as_of - timedelta(seconds=first_heartbeat_within)
+        )
+        stopped = machine_agent_heartbeat.c.agent_heartbeat_at < as_of - timedelta(seconds=heartbeat_within)
+        query = (
+            select(
+                machine_provided.c.machine_id,
+                machine_provided.c.provider_id,
+                machine_agent_started.c.agent_started_at,
+                machine_agent_heartbeat.c.agent_heartbeat_at,
+            )
+            .select_from(
+                machine_provided.join(
+                    machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
+                ).outerjoin(
+                    machine_agent_heartbeat, machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id
+                )
+            )
+            .where(machine_provided.c.provider == provider, or_(never, stopped))
+            .order_by(machine_provided.c.provider_id)
+        )
+        async with self.engine.connect() as conn:
+            return [
+                SilentMachine(r.machine_id, r.provider_id, r.agent_started_at, r.agent_heartbeat_at)
+                for r in await conn.execute(query)
+            ]
+
+    async def forget_agent(self, machine_id: uuid.UUID, cause: str) -> None:
+        """Delete the agent-started and heartbeat records after a reboot, logging the cause."""
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                delete(machine_agent_heartbeat).where(machine_agent_heartbeat.c.machine_id == machine_id)
+            )
+            await conn.execute(delete(machine_agent_started).where(machine_agent_started.c.machine_id == machine_id))
+            await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
 
     # --- events ----------------------------------------------------------------
 

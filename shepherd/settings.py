@@ -94,6 +94,14 @@ class Settings:
     provision_backoff_maximum: float = _duration(3600.0, "Longest wait between provisioning attempts")
     provision_backoff_multiplier: float = _setting(1.2, "Growth of the provisioning wait")
 
+    recovery_backoff_initial: float = _duration(60.0, "First wait after a failed recovery reboot")
+    recovery_backoff_maximum: float = _duration(3600.0, "Longest wait between recovery reboots")
+    recovery_backoff_multiplier: float = _setting(1.2, "Growth of the recovery wait")
+
+    # Heartbeat watch (the seed's recovery rule)
+    first_heartbeat_timeout: float = _duration(1800.0, "Agent started this long ago without any heartbeat: recover")
+    heartbeat_timeout: float = _duration(600.0, "Last heartbeat older than this: recover")
+
     # Fleet reconciliation (the seed's Provisioner)
     max_machines: int = _setting(50, "Most machines brought under management; 0 for no limit")
     chunk_size: int = _setting(20, "Most machines created in one reconcile pass")
@@ -119,10 +127,16 @@ class Settings:
         )
 
     @property
+    def recovery_backoff(self) -> Backoff:
+        return Backoff(self.recovery_backoff_initial, self.recovery_backoff_maximum, self.recovery_backoff_multiplier)
+
+    @property
     def lifecycle_policy(self) -> LifecyclePolicy:
         return LifecyclePolicy(
             provision_backoff=self.provision_backoff,
             agent_start_backoff=self.agent_start_backoff,
+            recovery_backoff=self.recovery_backoff,
+            recovery_timeout=3 * self.provider_timeout + 30,
             provision_timeout=3 * self.provider_timeout + 30,
             agent_start_timeout=self.provider_timeout + self.ssh_connect_timeout + self.ssh_exec_timeout + 30,
         )
@@ -140,7 +154,7 @@ class Settings:
             value = getattr(self, f.name)
             if f.metadata.get("duration") and value <= 0:
                 raise SettingsError(f.name, f"must be a positive duration, got {value}")
-        for name in ("agent_start_backoff_multiplier", "provision_backoff_multiplier"):
+        for name in ("agent_start_backoff_multiplier", "provision_backoff_multiplier", "recovery_backoff_multiplier"):
             if getattr(self, name) < 1.0:
                 raise SettingsError(name, f"must be at least 1.0, got {getattr(self, name)}")
         for name, low in (
@@ -154,6 +168,8 @@ class Settings:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")
         if self.agent_start_backoff_maximum < self.agent_start_backoff_initial:
             raise SettingsError("agent_start_backoff_maximum", "must not be below agent_start_backoff_initial")
+        if self.recovery_backoff_maximum < self.recovery_backoff_initial:
+            raise SettingsError("recovery_backoff_maximum", "must not be below recovery_backoff_initial")
         if self.provision_backoff_maximum < self.provision_backoff_initial:
             raise SettingsError("provision_backoff_maximum", "must not be below provision_backoff_initial")
         if not self.agent_target_path.startswith("/"):

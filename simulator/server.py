@@ -57,6 +57,7 @@ class Simulator:
                 web.post("/v1/machines/{id}/reboot", self._reboot),
                 web.get("/admin/state", self._admin_state),
                 web.post("/admin/faults", self._admin_faults),
+                web.post("/admin/machines/{id}/kill-agent", self._admin_kill_agent),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None)
@@ -203,6 +204,13 @@ class Simulator:
                 "faults": {**self.faults.__dict__},
             }
         )
+
+    async def _admin_kill_agent(self, request: web.Request) -> web.Response:
+        """Kill what runs on the machine without rebooting it: an agent that died."""
+        machine = self.machines.get(request.match_info["id"])
+        if machine is None:
+            return _error(404, f"no machine {request.match_info['id']}")
+        return web.json_response({"killed": machine.kill_processes()})
 
     async def _admin_faults(self, request: web.Request) -> web.Response:
         try:

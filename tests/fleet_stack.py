@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
 from activities.deps import ActivityDeps
 from agent.build import build_agent_executable
+from bmdb.store import BMDB
+from shepherd.heartbeat_server import HeartbeatService, build_server
 from shepherd.settings import Settings
+from shepherd.tls import local_certificates
 from simulator import Faults, Simulator, SimulatorConfig
 from worker import build_deps, build_worker, fleet_input
 from workflows.fleet import FleetWorkflow
@@ -116,6 +120,7 @@ async def fleet_stack(
     *,
     machines: int,
     run_worker: bool = True,
+    heartbeats: bool = False,
     sim_faults: Faults | None = None,
     **setting_overrides: Any,
 ) -> AsyncIterator[FleetStack]:
@@ -123,7 +128,16 @@ async def fleet_stack(
         SimulatorConfig(machines=machines, state_dir=tmp_path / "sim", api_port=0, faults=sim_faults or Faults())
     )
     await simulator.start()
+    heartbeat_server = heartbeat_bmdb = None
     try:
+        if heartbeats:
+            heartbeat_bmdb = BMDB(bmdb_url, pool_size=2)
+            heartbeat_server, endpoint, ca = await start_heartbeat_server(tmp_path, heartbeat_bmdb)
+            setting_overrides = {
+                "agent_endpoint": endpoint,
+                "agent_endpoint_ca_certificate_path": ca,
+                **setting_overrides,
+            }
         settings = stack_settings(tmp_path, simulator.api_url, temporal_client, **setting_overrides)
         deps = await build_deps(settings, temporal_client, bmdb_url)
         try:
@@ -138,3 +152,16 @@ async def fleet_stack(
             await deps.close()
     finally:
         await simulator.stop()
+        if heartbeat_server is not None:
+            await heartbeat_server.stop(None)
+        if heartbeat_bmdb is not None:
+            await heartbeat_bmdb.close()
+
+
+async def start_heartbeat_server(tmp_path: Path, bmdb: BMDB) -> tuple[grpc.aio.Server, str, Path]:
+    """A TLS heartbeat server asking for a heartbeat every 0.3 s: (server, endpoint, CA file)."""
+    certificates = local_certificates(tmp_path / "tls")
+    service = HeartbeatService(bmdb, interval=0.3, max_skew=60.0)
+    server, port = build_server(service, "127.0.0.1:0", (certificates.server_certificate, certificates.server_key))
+    await server.start()
+    return server, f"127.0.0.1:{port}", certificates.ca_certificate

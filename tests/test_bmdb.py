@@ -98,3 +98,41 @@ def test_redact_url():
     assert redact_url("postgresql://u:pw@host:5432/db") == "postgresql://u:***@host:5432/db"
     assert redact_url("postgresql://u@host/db") == "postgresql://u@host/db"
     assert redact_url("postgresql://postgres:@/postgres?host=/tmp") == "postgresql://postgres:***@/postgres?host=/tmp"
+
+
+async def test_silent_machines_follow_the_seeds_rule(bmdb):
+    from datetime import timedelta
+
+    now = datetime.now(UTC)
+    started = {
+        "node-0001": now - timedelta(minutes=31),
+        "node-0002": now - timedelta(minutes=31),
+        "node-0003": now - timedelta(minutes=29),
+    }
+    machines = {}
+    for provider_id, started_at in started.items():
+        machines[provider_id], _ = await bmdb.admit_machine("sim", provider_id)
+        await bmdb.record_agent_started(machines[provider_id], started_at, provider_id.encode().ljust(32, b"."))
+    await bmdb.admit_machine("sim", "node-0004")  # no agent started: never silent
+    # node-0002 sends a heartbeat now (the database's clock).
+    assert await bmdb.record_heartbeat(machines["node-0002"], b"node-0002".ljust(32, b"."), now)
+
+    async def silent(minutes_from_now: int) -> list[str]:
+        as_of = now + timedelta(minutes=minutes_from_now)
+        found = await bmdb.silent_machines("sim", as_of=as_of, first_heartbeat_within=1800, heartbeat_within=600)
+        return [m.provider_id for m in found]
+
+    # No heartbeat 30 minutes after the agent started.
+    assert await silent(0) == ["node-0001"]
+    assert await silent(2) == ["node-0001", "node-0003"]
+    # The last heartbeat older than 10 minutes.
+    assert await silent(9) == ["node-0001", "node-0003"]
+    assert await silent(11) == ["node-0001", "node-0002", "node-0003"]
+    causes = await bmdb.silent_machines(
+        "sim", as_of=now + timedelta(minutes=11), first_heartbeat_within=1800, heartbeat_within=600
+    )
+    assert "no heartbeat since" in causes[0].cause() and "last heartbeat at" in causes[1].cause()
+    # After a reboot the agent is forgotten until the next takeover.
+    await bmdb.forget_agent(machines["node-0001"], "rebooted: test")
+    assert await silent(11) == ["node-0002", "node-0003"]
+    assert (await bmdb.list_events(machines["node-0001"]))[0].kind == "rebooted"

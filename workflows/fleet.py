@@ -2,8 +2,9 @@
 
 A pass decides from provider and BMDB listings which free capacity to bring
 under management (refusing when the two disagree), admits those machines at
-the device-creation rate, and makes sure every managed machine has its
-MachineWorkflow running.
+the device-creation rate, makes sure every managed machine has its
+MachineWorkflow running, and tells the workflows of machines whose agent went
+silent (the watchdog: one BMDB query a pass, no per-machine polling).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         FleetInput,
         FleetPassResult,
         ReconcilePassInput,
+        WatchdogInput,
     )
 
 _LISTING_TIMEOUT = timedelta(minutes=5)
@@ -64,6 +66,17 @@ class FleetWorkflow:
                 retry_policy=_RETRY,
             )
             result.workflows_started = len(ensured.started)
+            result.silent = await workflow.execute_activity_method(
+                FleetActivities.signal_silent_machines,
+                WatchdogInput(
+                    provider=input.provider,
+                    as_of=workflow.now().isoformat(),
+                    first_heartbeat_within=input.first_heartbeat_within,
+                    heartbeat_within=input.heartbeat_within,
+                ),
+                start_to_close_timeout=_LISTING_TIMEOUT,
+                retry_policy=_RETRY,
+            )
         except ActivityError as error:
             result.error = describe_failure(error)
             raise ApplicationError(f"reconcile pass failed: {result.error}", non_retryable=True) from error

@@ -1,6 +1,8 @@
 """MachineWorkflow: one machine's lifecycle, one workflow per machine.
 
-PROVISIONING -> AGENT_STARTING -> WATCHING. The workflow id
+PROVISIONING -> AGENT_STARTING -> WATCHING -> RECOVERING -> AGENT_STARTING ...
+Signals: ``force_recover`` (an operator) and ``heartbeat_lost`` (the fleet
+watchdog); query: ``status``. The workflow id
 ``machine-<provider>-<provider_id>`` makes Temporal the per-machine lock: no
 two workers ever act on the same machine at once.
 
@@ -12,18 +14,21 @@ Temporal UI shows every failed attempt in the history.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.provisioning import ProvisioningActivities
+    from activities.recovery import RecoveryActivities
     from activities.takeover import TakeoverActivities
     from workflows.types import (
+        FORCE_RECOVER_SIGNAL,
+        HEARTBEAT_LOST_SIGNAL,
         MACHINE_STAGE,
         AgentFacts,
         Backoff,
@@ -32,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         MachineStatus,
         ProvisionInput,
         ProvisionResult,
+        RebootInput,
         StartAgentInput,
     )
 
@@ -41,6 +47,17 @@ T = TypeVar("T")
 # failures that say something about the machine are non-retryable there and
 # go straight to the step's back-off.
 _BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+
+
+def recovery_reason(request: Any) -> str:
+    """The reason in a force_recover argument, whatever shape it arrived in."""
+    if request is None:
+        return "no reason given"
+    if isinstance(request, dict) and isinstance(request.get("reason"), str) and request["reason"].strip():
+        return str(request["reason"]).strip()
+    if isinstance(request, str) and request.strip():
+        return request.strip()
+    return f"unreadable reason {str(request)[:100]!r}"
 
 
 def describe_failure(error: BaseException) -> str:
@@ -54,11 +71,11 @@ def describe_failure(error: BaseException) -> str:
 
 @workflow.defn(name="MachineWorkflow")
 class MachineWorkflow:
-    def __init__(self) -> None:
-        self._status: MachineStatus | None = None
-
-    @workflow.run
-    async def run(self, input: MachineInput) -> None:
+    # The status exists before the first signal handler runs: a signal that
+    # arrives with the start (signal-with-start, or just sent right after it)
+    # is applied, not dropped.
+    @workflow.init
+    def __init__(self, input: MachineInput) -> None:
         self._status = MachineStatus(
             machine_id=input.machine_id,
             provider=input.provider,
@@ -66,39 +83,87 @@ class MachineWorkflow:
             stage=input.resume_stage or MachineStage.PROVISIONING,
             stage_since=self._now(),
             agent=input.agent,
+            recovery_count=input.recovery_count,
+            last_recovery_reason=input.last_recovery_reason,
         )
-        self._set_stage(self._status.stage)
 
-        if self._status.stage is MachineStage.PROVISIONING:
+    @workflow.run
+    async def run(self, input: MachineInput) -> None:
+        status = self._status
+        self._set_stage(status.stage)
+
+        if status.stage is MachineStage.PROVISIONING:
             provisioned = await self._until_success(input.policy.provision_backoff, lambda: self._provision(input))
-            self._status.address = provisioned.address
+            status.address = provisioned.address
             self._set_stage(MachineStage.AGENT_STARTING)
 
-        if self._status.stage is MachineStage.AGENT_STARTING:
-            self._status.agent = await self._until_success(
-                input.policy.agent_start_backoff, lambda: self._start_agent(input)
-            )
+        if status.stage is MachineStage.AGENT_STARTING:
+            status.agent = await self._until_success(input.policy.agent_start_backoff, lambda: self._start_agent(input))
             self._set_stage(MachineStage.WATCHING)
 
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
-        # this workflow. Histories stay short: continue as new when told to.
-        await workflow.wait_condition(lambda: workflow.info().is_continue_as_new_suggested())
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(
-            MachineInput(
-                provider=input.provider,
-                provider_id=input.provider_id,
-                machine_id=input.machine_id,
-                policy=input.policy,
-                resume_stage=self._status.stage,
-                agent=self._status.agent,
-            )
+        # this workflow, and the fleet watchdog signals only silent machines.
+        await workflow.wait_condition(
+            lambda: status.recovery_requested is not None or workflow.info().is_continue_as_new_suggested()
         )
+        next_run = MachineInput(
+            provider=input.provider,
+            provider_id=input.provider_id,
+            machine_id=input.machine_id,
+            policy=input.policy,
+            resume_stage=status.stage,
+            agent=status.agent,
+            recovery_count=status.recovery_count,
+            last_recovery_reason=status.last_recovery_reason,
+        )
+        if status.recovery_requested is not None:
+            reason = status.recovery_requested
+            self._set_stage(MachineStage.RECOVERING)
+            await self._until_success(input.policy.recovery_backoff, lambda: self._reboot(input, reason))
+            # Requests that arrived during the reboot are answered by it.
+            next_run.resume_stage = MachineStage.AGENT_STARTING
+            next_run.agent = None
+            next_run.recovery_count += 1
+            next_run.last_recovery_reason = reason
+        # Each recovery cycle starts a fresh history, so a machine that recovers
+        # a hundred times keeps a short one.
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(next_run)
+
+    @workflow.signal(dynamic=True)
+    def force_recover(self, name: str, arguments: Sequence[RawValue]) -> None:
+        """``force_recover``: an operator asks for a reboot, ``{"reason": "disk errors"}``.
+
+        A dynamic handler gets the argument undecoded, so a malformed one still
+        means "recover", where a typed handler would make the SDK drop the signal.
+        """
+        if name != FORCE_RECOVER_SIGNAL:
+            workflow.logger.warning("ignoring unknown signal %r", name)
+            return
+        request: Any = None
+        if arguments:
+            try:
+                request = workflow.payload_converter().from_payload(arguments[0].payload)
+            except Exception:
+                request = arguments[0].payload.data.decode(errors="replace")
+        self._request_recovery(f"forced: {recovery_reason(request)}")
+
+    @workflow.signal(name=HEARTBEAT_LOST_SIGNAL)
+    def heartbeat_lost(self, cause: Any = None) -> None:
+        """The fleet watchdog found the agent silent."""
+        self._request_recovery(f"heartbeat lost: {cause if isinstance(cause, str) and cause else 'no detail'}")
+
+    def _request_recovery(self, reason: str) -> None:
+        status = self._status
+        if status.recovery_requested is not None or status.stage is MachineStage.RECOVERING:
+            status.recovery_requests_coalesced += 1
+            workflow.logger.info("recovery already under way; coalesced: %s", reason)
+            return
+        status.recovery_requested = reason
+        workflow.logger.info("recovery requested: %s", reason)
 
     @workflow.query
     def status(self) -> MachineStatus:
-        if self._status is None:
-            raise ApplicationError("the workflow has not started yet")
         return self._status
 
     async def _provision(self, input: MachineInput) -> ProvisionResult:
@@ -122,9 +187,18 @@ class MachineWorkflow:
             retry_policy=_BLIP_RETRY,
         )
 
+    async def _reboot(self, input: MachineInput, reason: str) -> None:
+        await workflow.execute_activity_method(
+            RecoveryActivities.reboot_machine,
+            RebootInput(
+                provider=input.provider, provider_id=input.provider_id, machine_id=input.machine_id, cause=reason
+            ),
+            start_to_close_timeout=timedelta(seconds=input.policy.recovery_timeout),
+            retry_policy=_BLIP_RETRY,
+        )
+
     async def _until_success(self, backoff: Backoff, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run attempt until it succeeds, waiting backoff between failures."""
-        assert self._status is not None
         while True:
             self._status.attempts += 1
             try:
@@ -147,7 +221,6 @@ class MachineWorkflow:
             return result
 
     def _set_stage(self, stage: MachineStage) -> None:
-        assert self._status is not None
         if stage is not self._status.stage:
             self._status.stage = stage
             self._status.stage_since = self._now()

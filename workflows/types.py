@@ -30,6 +30,10 @@ def machine_workflow_id(provider: str, provider_id: str) -> str:
     return f"machine-{provider}-{provider_id}"
 
 
+HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"
+FORCE_RECOVER_SIGNAL = "force_recover"
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Seconds to wait between failed attempts of one lifecycle step."""
@@ -47,8 +51,10 @@ class LifecyclePolicy:
     provision_backoff: Backoff
     agent_start_backoff: Backoff
     # Bounds one activity attempt; the back-offs above space the attempts.
+    recovery_backoff: Backoff = Backoff(60.0, 3600.0, 1.2)
     provision_timeout: float = 120.0
     agent_start_timeout: float = 120.0
+    recovery_timeout: float = 120.0
 
 
 # --- MachineWorkflow -----------------------------------------------------------
@@ -70,6 +76,8 @@ class MachineInput:
     # Set when the workflow continues as new: where to pick up.
     resume_stage: MachineStage | None = None
     agent: AgentFacts | None = None
+    recovery_count: int = 0
+    last_recovery_reason: str | None = None
 
 
 @dataclass
@@ -85,6 +93,12 @@ class MachineStatus:
     next_attempt_at: str | None = None
     address: str | None = None
     agent: AgentFacts | None = None
+    recovery_count: int = 0
+    last_recovery_reason: str | None = None
+    # A recovery asked for and not yet begun (it waits for the agent to be started).
+    recovery_requested: str | None = None
+    # Recovery requests that arrived while one was pending or running.
+    recovery_requests_coalesced: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,14 @@ class StartAgentInput:
     machine_id: str
 
 
+@dataclass(frozen=True)
+class RebootInput:
+    provider: str
+    provider_id: str
+    machine_id: str
+    cause: str
+
+
 # --- FleetWorkflow -------------------------------------------------------------
 
 
@@ -119,6 +141,19 @@ class FleetInput:
     max_machines: int
     chunk_size: int
     device_creation_interval: float
+    # The seed's recovery rule: no heartbeat this long after the agent started,
+    # or the last heartbeat older than heartbeat_within.
+    first_heartbeat_within: float = 1800.0
+    heartbeat_within: float = 600.0
+
+
+@dataclass(frozen=True)
+class WatchdogInput:
+    provider: str
+    # The workflow's clock, so the rule is deterministic and testable with skipped time.
+    as_of: str
+    first_heartbeat_within: float
+    heartbeat_within: float
 
 
 @dataclass(frozen=True)
@@ -167,4 +202,6 @@ class FleetPassResult:
     plan: ReconcilePassPlan | None = None
     admitted: list[str] = field(default_factory=list)
     workflows_started: int = 0
+    # Machines whose workflows were told their agent went silent.
+    silent: list[str] = field(default_factory=list)
     error: str | None = None

@@ -1,0 +1,30 @@
+"""RECOVERING: reboot the machine through its provider and forget its agent."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from temporalio import activity
+
+from activities.deps import ActivityDeps, provider_errors
+from workflows.types import RebootInput
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryActivities:
+    def __init__(self, deps: ActivityDeps) -> None:
+        self.deps = deps
+
+    @activity.defn
+    async def reboot_machine(self, input: RebootInput) -> None:
+        """Power-cycle the machine, then delete its agent-started and heartbeat records.
+
+        Run twice, it reboots twice: harmless for a machine being recovered,
+        and the records are deleted either way.
+        """
+        async with provider_errors():
+            await self.deps.provider(input.provider).reboot_machine(input.provider_id)
+        await self.deps.bmdb.forget_agent(uuid.UUID(input.machine_id), f"rebooted: {input.cause}")
+        log.info("rebooted %s machine %s: %s", input.provider, input.provider_id, input.cause)

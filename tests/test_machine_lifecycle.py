@@ -1,0 +1,248 @@
+"""MachineWorkflow's timing on the time-skipping test server: back-offs, recovery, signals.
+
+The seed's back-offs are minutes to hours; the test server skips the waits.
+The activities here are stand-ins registered under the real activity names,
+because the point is the workflow's timing, not the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from temporalio import activity
+from temporalio.api.common.v1 import Payload
+from temporalio.common import RawValue
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
+from workflows.machine import MachineWorkflow
+from workflows.types import (
+    AgentFacts,
+    Backoff,
+    LifecyclePolicy,
+    MachineInput,
+    MachineStage,
+    ProvisionInput,
+    ProvisionResult,
+    RebootInput,
+    StartAgentInput,
+)
+
+SEED_AGENT_BACKOFF = Backoff(initial=300.0, maximum=4 * 3600.0, multiplier=1.2)
+
+
+class FakeMachineActivities:
+    """Stand-ins that fail agent starts and reboots a set number of times, recording when."""
+
+    def __init__(self, agent_failures: int = 0, reboot_failures: int = 0) -> None:
+        self.agent_failures = agent_failures
+        self.reboot_failures = reboot_failures
+        self.agent_attempt_times: list[float] = []
+        self.reboots: list[tuple[float, str]] = []
+
+    @property
+    def activities(self) -> list[Any]:
+        return [self.provision_machine, self.start_agent, self.reboot_machine]
+
+    @activity.defn(name="reboot_machine")
+    async def reboot_machine(self, input: RebootInput) -> None:
+        self.reboots.append((activity.info().current_attempt_scheduled_time.timestamp(), input.cause))
+        if len(self.reboots) <= self.reboot_failures:
+            raise ApplicationError("provider sim: reboot: bad answer", type="ProviderProtocolError", non_retryable=True)
+
+    @activity.defn(name="provision_machine")
+    async def provision_machine(self, input: ProvisionInput) -> ProvisionResult:
+        return ProvisionResult(address="192.0.2.1", ssh_port=22, location="test")
+
+    @activity.defn(name="start_agent")
+    async def start_agent(self, input: StartAgentInput) -> AgentFacts:
+        self.agent_attempt_times.append(activity.info().current_attempt_scheduled_time.timestamp())
+        if len(self.agent_attempt_times) <= self.agent_failures:
+            raise ApplicationError("agent said: disk on fire", type="AGENT_ERROR", non_retryable=True)
+        return AgentFacts(started_at="2026-01-01T00:00:00+00:00", key_fingerprint="SHA256:x")
+
+
+async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=4)
+    queue = f"backoff-{uuid.uuid4()}"
+    policy = LifecyclePolicy(provision_backoff=Backoff(60, 3600, 1.2), agent_start_backoff=SEED_AGENT_BACKOFF)
+    async with Worker(
+        env.client,
+        task_queue=queue,
+        workflows=[MachineWorkflow],
+        activities=[fakes.provision_machine, fakes.start_agent],
+    ):
+        handle = await env.client.start_workflow(
+            MachineWorkflow.run,
+            MachineInput("sim", "node-0001", str(uuid.uuid4()), policy),
+            id=f"machine-sim-{uuid.uuid4()}",
+            task_queue=queue,
+        )
+        # Each failed attempt is followed by a wait of 300 s x 1.2^n.
+        for failures in range(1, 5):
+            await env.sleep(timedelta(seconds=1))
+            status = await handle.query(MachineWorkflow.status)
+            assert status.stage is MachineStage.AGENT_STARTING
+            assert status.attempts == failures
+            assert status.last_error == "AGENT_ERROR: agent said: disk on fire"
+            await env.sleep(timedelta(seconds=SEED_AGENT_BACKOFF.delay(failures)))
+        await env.sleep(timedelta(seconds=1))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING
+        assert status.attempts == 0 and status.agent is not None
+        gaps = [round(b - a) for a, b in zip(fakes.agent_attempt_times, fakes.agent_attempt_times[1:], strict=False)]
+        assert gaps == [300, 360, 432, 518]
+        await handle.terminate()
+
+
+FAST = LifecyclePolicy(
+    provision_backoff=Backoff(1, 1, 1), agent_start_backoff=Backoff(1, 1, 1), recovery_backoff=Backoff(60, 3600, 1.2)
+)
+
+
+async def watching_machine(env, fakes: FakeMachineActivities, queue: str) -> Any:
+    handle = await env.client.start_workflow(
+        MachineWorkflow.run,
+        MachineInput("sim", "node-0001", str(uuid.uuid4()), FAST),
+        id=f"machine-sim-{uuid.uuid4()}",
+        task_queue=queue,
+    )
+    await env.sleep(timedelta(seconds=1))
+    assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
+    return handle
+
+
+async def test_heartbeat_lost_reboots_retrying_with_the_seed_backoff_then_takes_over_again(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(reboot_failures=3)
+    queue = f"recovery-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        handle = await watching_machine(env, fakes, queue)
+        first_run = (await handle.describe()).run_id
+        await handle.signal(MachineWorkflow.heartbeat_lost, "last heartbeat at 10:00")
+        for failures in range(1, 4):
+            await env.sleep(timedelta(seconds=1))
+            status = await handle.query(MachineWorkflow.status)
+            assert status.stage is MachineStage.RECOVERING and status.attempts == failures
+            assert status.last_error is not None and status.last_error.startswith("ProviderProtocolError")
+            await env.sleep(timedelta(seconds=FAST.recovery_backoff.delay(failures)))
+        await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        # Rebooted, continued as new, agent started again.
+        assert status.stage is MachineStage.WATCHING
+        assert status.recovery_count == 1
+        assert status.last_recovery_reason == "heartbeat lost: last heartbeat at 10:00"
+        assert (await handle.describe()).run_id != first_run
+        gaps = [round(b[0] - a[0]) for a, b in zip(fakes.reboots, fakes.reboots[1:], strict=False)]
+        assert gaps == [60, 72, 86]
+        assert len(fakes.agent_attempt_times) == 2
+        await handle.terminate()
+
+
+@pytest.mark.parametrize(
+    ("argument", "reason"),
+    [
+        ({"reason": "disk errors"}, "forced: disk errors"),
+        (None, "forced: no reason given"),
+        ("smells of smoke", "forced: smells of smoke"),
+        ({"why": 3}, "forced: unreadable reason \"{'why': 3}\""),
+    ],
+)
+async def test_force_recover_arguments(time_skipping_env, argument, reason):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    queue = f"force-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        handle = await watching_machine(env, fakes, queue)
+        if argument is None:
+            await handle.signal("force_recover")
+        else:
+            await handle.signal("force_recover", argument)
+        await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.last_recovery_reason == reason
+        assert [cause for _, cause in fakes.reboots] == [reason]
+        await handle.terminate()
+
+
+async def test_malformed_json_argument_is_not_lost(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    queue = f"force-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        handle = await watching_machine(env, fakes, queue)
+        garbage = Payload(metadata={"encoding": b"json/plain"}, data=b"{not json")
+        await handle.signal("force_recover", RawValue(garbage))
+        await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING
+        assert status.recovery_count == 1 and len(fakes.reboots) == 1
+        assert status.last_recovery_reason == "forced: {not json"
+        await handle.terminate()
+
+
+async def test_signals_during_recovery_are_coalesced_into_one_reboot(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(reboot_failures=1)
+    queue = f"coalesce-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        handle = await watching_machine(env, fakes, queue)
+        await handle.signal("force_recover", {"reason": "first"})
+        await env.sleep(timedelta(seconds=1))
+        await handle.signal("force_recover", {"reason": "second"})
+        await handle.signal(MachineWorkflow.heartbeat_lost, "silent")
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.RECOVERING and status.recovery_requests_coalesced == 2
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 1
+        assert [cause for _, cause in fakes.reboots] == ["forced: first", "forced: first"]  # one failed, one done
+        await handle.terminate()
+
+
+async def test_recovery_asked_for_before_the_agent_started_waits_for_it(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=2)
+    queue = f"early-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        handle = await env.client.start_workflow(
+            MachineWorkflow.run,
+            MachineInput("sim", "node-0001", str(uuid.uuid4()), FAST),
+            id=f"machine-sim-{uuid.uuid4()}",
+            task_queue=queue,
+        )
+        await handle.signal("force_recover", {"reason": "early"})
+        # A query can be answered before the workflow task carrying the signal has completed.
+        for _ in range(50):
+            status = await handle.query(MachineWorkflow.status)
+            if status.recovery_requested:
+                break
+            await asyncio.sleep(0.1)
+        assert status.stage in (MachineStage.PROVISIONING, MachineStage.AGENT_STARTING)
+        assert status.recovery_requested == "forced: early"
+        await env.sleep(timedelta(seconds=10))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.last_recovery_reason == "forced: early"
+        assert len(fakes.reboots) == 1
+        await handle.terminate()
+
+
+async def test_a_hundred_recoveries_keep_the_history_short(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    queue = f"many-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        handle = await watching_machine(env, fakes, queue)
+        for n in range(100):
+            await handle.signal(MachineWorkflow.heartbeat_lost, f"silence {n}")
+            await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.recovery_count == 100 and status.stage is MachineStage.WATCHING
+        history = await handle.fetch_history()
+        assert len(history.events) < 60
+        await handle.terminate()

@@ -1,0 +1,104 @@
+"""Recovery end to end: a silent agent is rebooted and taken over again; force_recover from the Temporal CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.fleet_stack import FleetStack, fleet_stack
+from tests.test_fleet import sim_admin
+from workflows.types import MachineStage
+
+WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
+
+
+async def heartbeat_of(stack: FleetStack, bmdb, provider_id: str):
+    for record in await bmdb.list_machines():
+        if record.provider_id == provider_id:
+            return record
+    raise AssertionError(f"{provider_id} not in BMDB")
+
+
+async def wait_for(predicate, limit: float = 60.0, what: str = "condition"):
+    for _ in range(int(limit / 0.2)):
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{what} not met within {limit}s")
+
+
+async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **WATCH) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+        before = await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what="first heartbeat of node-0001")
+
+        # The agent dies; its heartbeats stop; the next pass finds it silent.
+        assert (await sim_admin(stack, "/admin/machines/node-0001/kill-agent", {}))["killed"] >= 1
+        await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+        result = await stack.run_pass()
+        assert result.silent == ["node-0001"]
+
+        async def recovered():
+            status = await stack.status("node-0001")
+            return status if status.recovery_count == 1 and status.stage is MachineStage.WATCHING else None
+
+        status = await wait_for(recovered, what="recovery of node-0001")
+        assert status.last_recovery_reason.startswith("heartbeat lost: last heartbeat at")
+        after = await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what="heartbeats after recovery")
+        assert after.agent_public_key != before.agent_public_key
+        # Newest first; while the machine boots, SSH refuses and the takeover waits and retries.
+        kinds = [e.kind for e in await bmdb.list_events(after.machine_id) if e.kind != "agent_start_failed"]
+        assert kinds[:3] == ["agent_started", "rebooted", "agent_started"]
+        # The healthy machine was left alone.
+        assert (await stack.status("node-0002")).recovery_count == 0
+
+
+async def _heartbeating(bmdb, provider_id: str):
+    for record in await bmdb.list_machines():
+        if record.provider_id == provider_id and record.agent_heartbeat_at and record.agent_public_key:
+            return record
+    return None
+
+
+async def test_force_recover_from_the_temporal_cli(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1, heartbeats=True, **WATCH) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+        temporal = Path(sys.executable).parent / "temporal"
+        signal = await asyncio.to_thread(
+            subprocess.run,
+            [
+                str(temporal),
+                "workflow",
+                "signal",
+                "--address",
+                stack.settings.temporal_address,
+                "--namespace",
+                stack.settings.temporal_namespace,
+                "--workflow-id",
+                "machine-sim-node-0001",
+                "--name",
+                "force_recover",
+                "--input",
+                '{"reason": "disk errors"}',
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert signal.returncode == 0, signal.stderr
+
+        async def recovered():
+            status = await stack.status("node-0001")
+            return status if status.recovery_count == 1 and status.stage is MachineStage.WATCHING else None
+
+        status = await wait_for(recovered, limit=30, what="forced recovery")
+        assert status.last_recovery_reason == "forced: disk errors"
+        record = await heartbeat_of(stack, bmdb, "node-0001")
+        events = await bmdb.list_events(record.machine_id)
+        assert any(e.kind == "rebooted" and "disk errors" in e.detail for e in events)
