@@ -216,6 +216,10 @@ class BMDB:
     async def list_machines(self) -> list[MachineRecord]:
         return await self._machine_records(None)
 
+    async def machines_with_provider_id(self, provider_id: str) -> list[MachineRecord]:
+        """Every provider's machine of that id (one, unless two providers reuse ids)."""
+        return await self._machine_records(machine_provided.c.provider_id == provider_id)
+
     async def _machine_records(self, condition: Any) -> list[MachineRecord]:
         query = (
             select(
@@ -365,6 +369,16 @@ class BMDB:
             )
             await conn.execute(delete(machine_agent_started).where(machine_agent_started.c.machine_id == machine_id))
             await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
+
+    async def recovery_counts(self) -> dict[uuid.UUID, int]:
+        """Machine id -> how many times it was rebooted by a recovery, for machines rebooted at least once."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(events.c.machine_id, func.count())
+                .where(events.c.kind == "rebooted", events.c.machine_id.is_not(None))
+                .group_by(events.c.machine_id)
+            )
+            return {machine_id: int(n) for machine_id, n in rows}
 
     # --- events ----------------------------------------------------------------
 

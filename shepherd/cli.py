@@ -11,8 +11,8 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _reason_arg(text: str) -> str:
+    from shepherd.recover import check_reason
+
+    try:
+        return check_reason(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temporal-address", help="Temporal frontend host:port (SHEPHERD_TEMPORAL_ADDRESS)")
     parser.add_argument("--namespace", dest="temporal_namespace", help="Temporal namespace")
@@ -64,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dev.add_argument("--timeout", type=_duration_arg, default=600.0, help="limit for --until-ready (default 10m)")
     dev.add_argument("--fresh", action="store_true", help="forget the fleet of earlier runs and start over")
+    dev.add_argument("--chaos", action="store_true", help="kill a random machine's agent every --chaos-interval")
+    dev.add_argument("--chaos-interval", type=_duration_arg, default=60.0, help="time between agent kills (default 1m)")
+    dev.add_argument("--chaos-kills", type=_positive_int, help="stop killing after this many (default: never)")
 
     worker = commands.add_parser("worker", help="run a worker against Temporal and BMDB")
     _add_common(worker)
@@ -76,7 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(heartbeat)
     heartbeat.add_argument("--listen", dest="heartbeat_listen", help="host:port (default 0.0.0.0:8900)")
 
-    machines = commands.add_parser("machines", help="one line per machine: id, address, stage, agent start")
+    recover = commands.add_parser("recover", help="reboot a machine and take it over again (force_recover)")
+    _add_common(recover)
+    recover.add_argument("machine", metavar="MACHINE", help="BMDB machine id, provider id or workflow id")
+    recover.add_argument("--reason", required=True, type=_reason_arg, help="why; shown in status and the event log")
+
+    machines = commands.add_parser("machines", help="each machine's stage, agent age, last heartbeat and recoveries")
     _add_common(machines)
 
     sim = commands.add_parser("sim", help="run the fleet simulator (provider API and SSH machines)", add_help=False)
@@ -118,7 +135,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         from simulator.__main__ import main as simulator_main
 
         return simulator_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "dev":
+        from shepherd.dev import DevOptions
+
+        try:
+            args.dev_options = DevOptions(
+                machines=args.machines,
+                until_ready=args.until_ready,
+                timeout=args.timeout,
+                fresh=args.fresh,
+                chaos=args.chaos,
+                chaos_interval=args.chaos_interval,
+                chaos_kills=args.chaos_kills,
+            )
+        except ValueError as error:
+            parser.error(str(error))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -140,14 +173,9 @@ def _run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     try:
         if args.command == "dev":
-            from shepherd.dev import DevOptions, run_dev
+            from shepherd.dev import run_dev
 
-            return run_dev(
-                settings,
-                DevOptions(
-                    machines=args.machines, until_ready=args.until_ready, timeout=args.timeout, fresh=args.fresh
-                ),
-            )
+            return run_dev(settings, args.dev_options)
         if args.command == "migrate":
             return _migrate(settings)
         if args.command == "worker":
@@ -156,6 +184,8 @@ def _run(args: argparse.Namespace) -> int:
             return _machines(settings)
         if args.command == "heartbeat-server":
             return _heartbeat_server(settings)
+        if args.command == "recover":
+            return _recover(settings, args.machine, args.reason)
     except StartupError as error:
         raise CommandError(str(error)) from None
     raise CommandError(f"unknown command {args.command!r}")
@@ -200,3 +230,20 @@ def _machines(settings: Settings) -> int:
 
     with database(settings) as url:
         return asyncio.run(print_machines(settings, url))
+
+
+def _recover(settings: Settings, machine: str, reason: str) -> int:
+    from shepherd.recover import RecoverError, RecoverRequest, request_recovery
+    from worker import connect_temporal, open_bmdb
+
+    async def recover(url_of_bmdb: Callable[[], str]) -> str:
+        client = await connect_temporal(settings)
+        return await request_recovery(client, lambda: open_bmdb(url_of_bmdb()), RecoverRequest(machine, reason))
+
+    # BMDB (and a local PostgreSQL) only when the workflow id alone does not do.
+    with ExitStack() as stack:
+        try:
+            print(asyncio.run(recover(lambda: stack.enter_context(database(settings)))))
+        except RecoverError as error:
+            raise CommandError(str(error)) from None
+    return EXIT_OK

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO
@@ -30,7 +32,7 @@ from shepherd.fleet_view import machine_stages
 from shepherd.postgres import LocalPostgres
 from shepherd.settings import ENV_PREFIX, Settings
 from shepherd.tls import local_certificates
-from workflows.types import MACHINE_WORKFLOW_TYPE, MachineStage, MachineStatus
+from workflows.types import MACHINE_WORKFLOW_TYPE, MachineStage, MachineStatus, machine_workflow_id
 
 TEMPORAL_PORT = 7233
 TEMPORAL_UI_PORT = 8233
@@ -44,12 +46,27 @@ AGENT_ENDPOINT = f"127.0.0.1:{HEARTBEAT_PORT}"
 DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key", "tls")
 
 
+# SSH stays down this long after a simulated reboot, as on real hardware.
+SIM_BOOT_SECONDS = 10.0
+
+
 @dataclass(frozen=True)
 class DevOptions:
     machines: int = 20
     until_ready: bool = False
     timeout: float = 600.0
     fresh: bool = False
+    chaos: bool = False
+    chaos_interval: float = 60.0
+    chaos_kills: int | None = None  # None: until stopped
+
+    def __post_init__(self) -> None:
+        if self.chaos_kills is not None and not self.chaos:
+            raise ValueError("--chaos-kills needs --chaos")
+        if self.chaos and self.until_ready and self.chaos_kills is None:
+            raise ValueError("--until-ready with --chaos needs --chaos-kills, or chaos never ends")
+        if self.chaos_interval <= 0:
+            raise ValueError(f"--chaos-interval must be positive, got {self.chaos_interval}")
 
 
 class DevError(Exception):
@@ -57,14 +74,19 @@ class DevError(Exception):
 
 
 def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
-    """Settings of the embedded stack: everything local, back-offs short enough to watch."""
+    """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch."""
     certificates = local_certificates(state / "tls")
     return base.replace(
         heartbeat_listen=AGENT_ENDPOINT,
         heartbeat_tls_certificate_path=certificates.server_certificate,
         heartbeat_tls_key_path=certificates.server_key,
         agent_endpoint_ca_certificate_path=certificates.ca_certificate,
-        heartbeat_interval=10.0,
+        heartbeat_interval=5.0,
+        heartbeat_timeout=20.0,
+        first_heartbeat_timeout=60.0,
+        recovery_backoff_initial=5.0,
+        recovery_backoff_maximum=60.0,
+        recovery_backoff_multiplier=1.5,
         temporal_address=f"127.0.0.1:{TEMPORAL_PORT}",
         state_dir=state,
         sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
@@ -72,7 +94,7 @@ def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
         agent_endpoint=AGENT_ENDPOINT,
         max_machines=machines,
         chunk_size=min(machines, 50),
-        reconcile_interval=15.0,
+        reconcile_interval=10.0,
         device_creation_interval=0.2,
         provision_backoff_initial=5.0,
         provision_backoff_maximum=60.0,
@@ -149,6 +171,56 @@ class Child:
         self._log.close()
 
 
+class Chaos:
+    """Kills the agent of a random WATCHING machine every interval, through the simulator's admin API.
+
+    A machine struck once is left alone until its recovery has begun, so every
+    kill leads to one recovery.
+    """
+
+    def __init__(self, api_url: str, options: DevOptions, say: Callable[[str], None]) -> None:
+        self.api_url = api_url
+        self.interval = options.chaos_interval
+        self.limit = options.chaos_kills
+        self.say = say
+        self.kills = 0
+        self.awaiting_recovery: set[str] = set()
+        self.next_strike = time.monotonic() + self.interval
+        self.random = random.Random()
+
+    def done(self) -> bool:
+        return self.limit is not None and self.kills >= self.limit
+
+    async def maybe_strike(self, stages: dict[str, str]) -> None:
+        watching = {wid for wid, stage in stages.items() if stage == MachineStage.WATCHING}
+        self.awaiting_recovery &= watching
+        if self.done() or time.monotonic() < self.next_strike:
+            return
+        candidates = sorted(watching - self.awaiting_recovery)
+        if not candidates:
+            return
+        workflow_id = self.random.choice(candidates)
+        provider_id = workflow_id.removeprefix(machine_workflow_id("sim", ""))
+        self.next_strike = time.monotonic() + self.interval
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{self.api_url}/admin/machines/{provider_id}/kill-agent") as response,
+            ):
+                response.raise_for_status()
+                killed = (await response.json())["killed"]
+        except (aiohttp.ClientError, KeyError, ValueError) as error:
+            self.say(f"chaos: could not kill the agent of {provider_id}: {error}")
+            return
+        if not killed:
+            self.say(f"chaos: {provider_id} had no agent running")
+            return
+        self.kills += 1
+        self.awaiting_recovery.add(workflow_id)
+        limit = f"/{self.limit}" if self.limit is not None else ""
+        self.say(f"chaos: killed the agent of {provider_id} (kill {self.kills}{limit}); watch it recover")
+
+
 class DevStack:
     def __init__(self, base: Settings, options: DevOptions) -> None:
         self.options = options
@@ -182,7 +254,8 @@ class DevStack:
             loop.add_signal_handler(signum, stop.set)
         try:
             client, database_url = await self.start(settings)
-            return await self.watch(client, database_url, stop)
+            chaos = Chaos(settings.sim_api_url or "", self.options, self.say) if self.options.chaos else None
+            return await self.watch(client, database_url, stop, chaos)
         except DevError as error:
             print(f"shepherd dev: {error}", file=sys.stderr)
             return 1
@@ -253,6 +326,8 @@ class DevStack:
                     str(self.state / "sim"),
                     "--api-port",
                     str(SIM_API_PORT),
+                    "--boot-seconds",
+                    str(SIM_BOOT_SECONDS),
                 ],
                 logs / "simulator.log",
             )
@@ -303,30 +378,38 @@ class DevStack:
         await client.count_workflows()
         return client
 
-    async def watch(self, client: Client, database_url: str, stop: asyncio.Event) -> int:
-        """Show progress; with --until-ready, end once every machine is WATCHING."""
+    async def watch(self, client: Client, database_url: str, stop: asyncio.Event, chaos: Chaos | None) -> int:
+        """Show progress; with --until-ready, end once every machine is WATCHING (and chaos has been undone)."""
         wanted = self.options.machines
         deadline = time.monotonic() + self.options.timeout
         bmdb = BMDB(database_url, pool_size=1)
+        earlier_recoveries = sum((await bmdb.recovery_counts()).values())
         last_line = ""
         try:
             while not stop.is_set():
                 for child in self.children:
                     child.check_alive()
-                stages = Counter((await machine_stages(client)).values())
+                by_workflow = await machine_stages(client)
+                stages = Counter(by_workflow.values())
                 counts = await bmdb.count_by_status()
+                recoveries = sum((await bmdb.recovery_counts()).values()) - earlier_recoveries
                 watching = stages.get(MachineStage.WATCHING, 0)
                 line = (
                     f"{counts.get('provided', 0) + counts.get('creating', 0)}/{wanted} in BMDB, "
                     f"{counts.get('agent_started', 0)} agents started, "
-                    f"{counts.get('heartbeating', 0)} heartbeating; workflows: "
+                    f"{counts.get('heartbeating', 0)} heartbeating, {recoveries} recovered; workflows: "
                     + (", ".join(f"{stage} {n}" for stage, n in sorted(stages.items())) or "none yet")
                 )
                 if line != last_line:
                     self.say(line)
                     last_line = line
-                if watching >= wanted and self.options.until_ready:
-                    self.say(f"all {wanted} machines are WATCHING")
+                if chaos is not None:
+                    await chaos.maybe_strike(by_workflow)
+                chaos_undone = chaos is None or (chaos.done() and recoveries >= chaos.kills)
+                if watching >= wanted and chaos_undone and self.options.until_ready:
+                    self.say(
+                        f"all {wanted} machines are WATCHING" + (f" after {recoveries} recoveries" if chaos else "")
+                    )
                     return 0
                 if self.options.until_ready and time.monotonic() > deadline:
                     print(

@@ -1,10 +1,11 @@
-"""What the fleet looks like: BMDB's records joined with each workflow's stage."""
+"""What the fleet looks like: BMDB's records joined with each workflow's stage and recovery count."""
 
 from __future__ import annotations
 
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TextIO
 
 from temporalio.client import Client
@@ -20,6 +21,7 @@ RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatu
 class MachineView:
     record: MachineRecord
     stage: str  # the workflow's MachineStage; "-" when no workflow runs
+    recoveries: int
 
 
 async def machine_stages(client: Client) -> dict[str, str]:
@@ -36,24 +38,52 @@ async def stage_counts(client: Client) -> Counter[str]:
 
 async def fleet_view(client: Client, bmdb: BMDB) -> list[MachineView]:
     stages = await machine_stages(client)
+    recoveries = await bmdb.recovery_counts()
     return [
-        MachineView(record, stages.get(machine_workflow_id(record.provider, record.provider_id), "-"))
+        MachineView(
+            record,
+            stages.get(machine_workflow_id(record.provider, record.provider_id), "-"),
+            recoveries.get(record.machine_id, 0),
+        )
         for record in await bmdb.list_machines()
     ]
 
 
-def format_machines(views: list[MachineView]) -> list[str]:
-    """Lines of a table that fits 80 columns."""
-    lines = [f"{'PROVIDER ID':<20} {'ADDRESS':<21} {'STAGE':<15} AGENT STARTED"]
+def age(then: datetime | None, now: datetime) -> str:
+    """How long ago, in at most six characters: 42s, 3m07s, 5h12m, 12d04h."""
+    if then is None:
+        return "-"
+    seconds = max(0, int((now - then).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def format_machines(views: list[MachineView], now: datetime) -> list[str]:
+    """Lines of a table that fits 80 columns; agent start and last heartbeat as ages."""
+    row = "{:<14} {:<21} {:<14} {:>6} {:>9} {:>10}"
+    lines = [row.format("PROVIDER ID", "ADDRESS", "STAGE", "AGENT", "HEARTBEAT", "RECOVERIES")]
     for view in views:
         record = view.record
         address = f"{record.address}:{record.ssh_port}" if record.address else "-"
-        started = record.agent_started_at.strftime("%Y-%m-%d %H:%M:%S") if record.agent_started_at else "-"
-        lines.append(f"{record.provider_id:<20} {address:<21} {view.stage:<15} {started}")
+        lines.append(
+            row.format(
+                record.provider_id,
+                address,
+                view.stage,
+                age(record.agent_started_at, now),
+                age(record.agent_heartbeat_at, now),
+                view.recoveries,
+            )
+        )
     return lines
 
 
-async def print_machines(settings: Settings, database_url: str, out: TextIO = sys.stdout) -> int:
+async def print_machines(settings: Settings, database_url: str, out: TextIO | None = None) -> int:
     from worker import connect_temporal, open_bmdb
 
     client = await connect_temporal(settings)
@@ -62,6 +92,6 @@ async def print_machines(settings: Settings, database_url: str, out: TextIO = sy
         views = await fleet_view(client, bmdb)
     finally:
         await bmdb.close()
-    for line in format_machines(views):
-        print(line, file=out)
+    for line in format_machines(views, datetime.now(UTC)):
+        print(line, file=out or sys.stdout)
     return 0

@@ -102,7 +102,19 @@ def test_migrate_then_migrate_again(postgres_server):
 
 
 @pytest.mark.parametrize(
-    "args", [["dev", "--machines", "0"], ["dev", "--timeout", "soon"], ["nonsense"], ["sim", "--machines", "0"]]
+    "args",
+    [
+        ["dev", "--machines", "0"],
+        ["dev", "--timeout", "soon"],
+        ["dev", "--chaos-kills", "2"],
+        ["dev", "--chaos", "--until-ready"],
+        ["dev", "--chaos", "--chaos-interval", "0s"],
+        ["recover", "node-0001"],
+        ["recover", "node-0001", "--reason", "  "],
+        ["recover", "node-0001", "--reason", "x" * 501],
+        ["nonsense"],
+        ["sim", "--machines", "0"],
+    ],
 )
 def test_bad_arguments_are_usage_errors(args):
     result = shepherd(*args)
@@ -110,12 +122,15 @@ def test_bad_arguments_are_usage_errors(args):
     assert "Traceback" not in result.stderr and result.stderr.strip()
 
 
-def test_dev_brings_a_fleet_up_until_ready_and_stops_everything(tmp_path):
+def test_dev_brings_a_fleet_up_recovers_it_from_chaos_and_stops_everything(tmp_path):
     result = shepherd(
-        "dev", "--machines", "3", "--until-ready", "--timeout", "3m", "--state-dir", str(tmp_path), timeout=300
+        *("dev", "--machines", "3", "--chaos", "--chaos-interval", "1s", "--chaos-kills", "2"),
+        *("--until-ready", "--timeout", "4m", "--state-dir", str(tmp_path)),
+        timeout=360,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "all 3 machines are WATCHING" in result.stdout
+    assert result.stdout.count("chaos: killed the agent of") == 2
+    assert "all 3 machines are WATCHING after 2 recoveries" in result.stdout
     again = shepherd(
         "dev", "--machines", "3", "--until-ready", "--timeout", "1ms", "--state-dir", str(tmp_path / "x"), timeout=300
     )

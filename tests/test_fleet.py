@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,7 @@ from temporalio.worker import Replayer
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from shepherd.dev import settings_environment
-from shepherd.fleet_view import print_machines
+from shepherd.fleet_view import age, print_machines
 from simulator import Faults
 from tests.fleet_stack import fleet_stack
 from worker import fleet_input
@@ -229,3 +230,18 @@ async def test_worker_killed_mid_fleet_leaves_no_duplicate_and_no_orphan(tmp_pat
             assert all(r.status == "provided" and r.agent_public_key for r in records)
         finally:
             await bmdb.close()
+
+
+def test_ages_in_the_machines_table_fit_six_characters():
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    ages = {s: age(now - timedelta(seconds=s), now) for s in (0, 59, 187, 3599, 18720, 1051200, 8639999)}
+    assert ages == {
+        0: "0s",
+        59: "59s",
+        187: "3m07s",
+        3599: "59m59s",
+        18720: "5h12m",
+        1051200: "12d04h",
+        8639999: "99d23h",
+    }
+    assert age(None, now) == "-" and age(now + timedelta(seconds=5), now) == "0s"

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
+from shepherd import cli
+from shepherd.dev import settings_environment
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
 from workflows.types import MachineStage
 
+NAMES = "a BMDB machine id, a provider id nor a workflow id"
 WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
 
 
@@ -102,3 +106,50 @@ async def test_force_recover_from_the_temporal_cli(tmp_path, temporal_client, bm
         record = await heartbeat_of(stack, bmdb, "node-0001")
         events = await bmdb.list_events(record.machine_id)
         assert any(e.kind == "rebooted" and "disk errors" in e.detail for e in events)
+
+
+async def test_shepherd_recover_finds_the_machine_by_any_name(
+    tmp_path, temporal_client, bmdb_url, bmdb, monkeypatch, capsys
+):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **WATCH) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+        for name, value in {**settings_environment(stack.settings), "SHEPHERD_DATABASE_URL": bmdb_url}.items():
+            monkeypatch.setenv(name, value)
+        record = await heartbeat_of(stack, bmdb, "node-0001")
+
+        async def shepherd(*args: str) -> tuple[int, str, str]:
+            code = await asyncio.to_thread(cli.main, list(args))
+            out, err = capsys.readouterr()
+            return code, out, err
+
+        async def recovered(provider_id: str, count: int):
+            async def check():
+                status = await stack.status(provider_id)
+                return status if status.recovery_count == count and status.stage is MachineStage.WATCHING else None
+
+            return await wait_for(check, limit=30, what=f"recovery {count} of {provider_id}")
+
+        for count, name in enumerate((str(record.machine_id), "node-0001", "machine-sim-node-0001"), start=1):
+            code, out, err = await shepherd("recover", name, "--reason", f"  by {name}  ")
+            assert code == 0, err
+            assert out.strip() == f"machine-sim-node-0001: recovery requested (by {name}); it was WATCHING"
+            status = await recovered("node-0001", count)
+            assert status.last_recovery_reason == f"forced: by {name}"
+
+        # `shepherd machines` counts the recoveries.
+        code, out, err = await shepherd("machines")
+        assert code == 0, err
+        rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+        assert rows["node-0001"][-1] == "3" and rows["node-0002"][-1] == "0"
+        assert rows["node-0002"][2] == "WATCHING" and rows["node-0002"][-2].endswith("s")
+
+        for name in ("node-9999", str(uuid.uuid4()), "machine-sim-node-9999", "shepherd-fleet"):
+            code, out, err = await shepherd("recover", name, "--reason", "x")
+            assert (code, out) == (1, ""), name
+            assert err.strip() == f"shepherd recover: no machine {name!r}: it is neither {NAMES}"
+
+        await stack.machine("node-0002").terminate("retired by hand")
+        code, out, err = await shepherd("recover", "node-0002", "--reason", "x")
+        assert code == 1 and "machine-sim-node-0002 is TERMINATED, not running" in err
+        assert (await bmdb.recovery_counts()).get(record.machine_id) == 3

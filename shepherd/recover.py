@@ -1,0 +1,112 @@
+"""``shepherd recover``: ask one machine's workflow for a recovery reboot.
+
+The same ``force_recover`` signal the Temporal CLI and UI send; this command
+only finds the workflow from whatever name the operator has at hand.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from bmdb.store import BMDB
+from workflows.types import FORCE_RECOVER_SIGNAL, MACHINE_WORKFLOW_TYPE, MachineStatus, machine_workflow_id
+
+# Long enough for any operator's note, short enough for a status line.
+MAX_REASON_LENGTH = 500
+_QUERY_TIMEOUT = timedelta(seconds=5)
+
+
+class RecoverError(Exception):
+    """The machine could not be found or asked; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class RecoverRequest:
+    machine: str  # a BMDB machine id, a provider id or a workflow id
+    reason: str
+
+
+def check_reason(text: str) -> str:
+    reason = text.strip()
+    if not reason:
+        raise ValueError("the reason is empty; say why the machine needs a reboot")
+    if len(reason) > MAX_REASON_LENGTH:
+        raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
+    return reason
+
+
+async def _machine_workflow_exists(client: Client, workflow_id: str) -> bool:
+    try:
+        description = await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    if description.workflow_type != MACHINE_WORKFLOW_TYPE:
+        raise RecoverError(f"{workflow_id} is a {description.workflow_type} workflow, not a machine's")
+    return True
+
+
+async def find_machine_workflow(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], machine: str) -> str:
+    """The workflow id of the machine named by a workflow id, a BMDB machine id or a provider id."""
+    if machine.startswith("machine-") and await _machine_workflow_exists(client, machine):
+        return machine
+    bmdb = await open_bmdb()
+    try:
+        try:
+            record = await bmdb.get_machine(uuid.UUID(machine))
+            records = [record] if record else []
+        except ValueError:
+            records = await bmdb.machines_with_provider_id(machine)
+    finally:
+        await bmdb.close()
+    if not records:
+        raise RecoverError(f"no machine {machine!r}: it is neither a BMDB machine id, a provider id nor a workflow id")
+    if len(records) > 1:
+        ids = ", ".join(machine_workflow_id(r.provider, r.provider_id) for r in records)
+        raise RecoverError(f"{machine!r} names machines of several providers; give the workflow id: {ids}")
+    return machine_workflow_id(records[0].provider, records[0].provider_id)
+
+
+async def request_recovery(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], request: RecoverRequest) -> str:
+    """Signal force_recover to the machine's workflow; returns what happened, for the operator."""
+    reason = check_reason(request.reason)
+    workflow_id = await find_machine_workflow(client, open_bmdb, request.machine)
+    handle = client.get_workflow_handle(workflow_id)
+    try:
+        description = await handle.describe()
+    except RPCError as error:
+        if error.status != RPCStatusCode.NOT_FOUND:
+            raise
+        raise RecoverError(
+            f"{workflow_id} has never run; the next fleet pass starts it, then recover it again"
+        ) from None
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        state = description.status.name if description.status else "not running"
+        raise RecoverError(
+            f"{workflow_id} is {state}, not running; the next fleet pass starts it again, then recover it again"
+        )
+    before = await _stage_of(client, workflow_id)
+    await handle.signal(FORCE_RECOVER_SIGNAL, {"reason": reason})
+    if before == "RECOVERING":
+        return f"{workflow_id} is already RECOVERING; the request is recorded with the one under way"
+    if before in ("PROVISIONING", "AGENT_STARTING"):
+        return f"{workflow_id}: recovery requested ({reason}); it is {before}, the reboot follows the takeover"
+    return f"{workflow_id}: recovery requested ({reason}); it was {before}"
+
+
+async def _stage_of(client: Client, workflow_id: str) -> str:
+    # The status query needs a worker; without one the signal still waits in the history.
+    try:
+        status = await client.get_workflow_handle(workflow_id).query(
+            "status", result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT
+        )
+    except Exception:
+        return "in an unknown stage (no worker answered the status query)"
+    return str(status.stage)
