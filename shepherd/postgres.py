@@ -29,7 +29,7 @@ class LocalPostgres:
             import pgserver  # imported here: only the embedded stack needs it
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log.info("starting local PostgreSQL in %s", self.data_dir)
+        log.debug("starting or joining the local PostgreSQL in %s", self.data_dir)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")

@@ -53,6 +53,7 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
 
         status = await wait_for(recovered, what="recovery of node-0001")
         assert status.last_recovery_reason.startswith("heartbeat lost: last heartbeat at")
+        assert status.address == before.address, "the address survives continue-as-new"
         after = await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what="heartbeats after recovery")
         assert after.agent_public_key != before.agent_public_key
         # Newest first; while the machine boots, SSH refuses and the takeover waits and retries.

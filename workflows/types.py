@@ -75,6 +75,7 @@ class MachineInput:
     policy: LifecyclePolicy
     # Set when the workflow continues as new: where to pick up.
     resume_stage: MachineStage | None = None
+    address: str | None = None
     agent: AgentFacts | None = None
     recovery_count: int = 0
     last_recovery_reason: str | None = None
