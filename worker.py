@@ -23,6 +23,7 @@ from temporalio.client import (
     ScheduleUpdate,
     ScheduleUpdateInput,
 )
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.deps import ActivityDeps
@@ -38,7 +39,7 @@ from shepherd.settings import Settings, SettingsError
 from shepherd.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
-from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, FleetInput
+from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, SEARCH_ATTRIBUTES, FleetInput
 
 log = logging.getLogger("shepherd.worker")
 
@@ -55,6 +56,31 @@ async def connect_temporal(settings: Settings) -> Client:
             f"cannot reach Temporal at {settings.temporal_address} (setting temporal_address), "
             f"namespace {settings.temporal_namespace!r}: {error}"
         ) from error
+
+
+async def check_search_attributes(client: Client, settings: Settings) -> None:
+    """Refuse to start on a namespace without Shepherd's search attributes: every workflow would fail to start."""
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+    try:
+        listed = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=settings.temporal_namespace)
+        )
+    except RPCError as error:
+        raise StartupError(
+            f"cannot list the search attributes of namespace {settings.temporal_namespace!r}: {error}"
+        ) from error
+    missing = [key.name for key in SEARCH_ATTRIBUTES if key.name not in listed.custom_attributes]
+    if missing:
+        commands = "; ".join(
+            f"temporal operator search-attribute create --namespace {settings.temporal_namespace} "
+            f"--name {name} --type Keyword"
+            for name in missing
+        )
+        raise StartupError(
+            f"namespace {settings.temporal_namespace!r} lacks the search attributes {', '.join(missing)}; "
+            f"register them once: {commands}"
+        )
 
 
 async def open_bmdb(url: str) -> BMDB:
@@ -185,6 +211,7 @@ async def ensure_fleet_schedule(client: Client, settings: Settings, *, trigger: 
 async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or stop is set), then hand back what is held and exit."""
     client = await connect_temporal(settings)
+    await check_search_attributes(client, settings)
     deps = await build_deps(settings, client, database_url)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 from temporalio.client import Client
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from shepherd.settings import Settings
-from workflows.types import (
-    MACHINE_STAGE,
-    MACHINE_WORKFLOW_TYPE,
-    MachineInput,
-    MachineStage,
-    machine_workflow_id,
-)
+from workflows.types import MACHINE_WORKFLOW_TYPE, MachineInput, initial_search_attributes, machine_workflow_id
 
 
 async def start_machine_workflow(
@@ -31,9 +25,9 @@ async def start_machine_workflow(
             # A machine whose workflow was closed (terminated by an operator, say)
             # still needs one: start it afresh.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-            search_attributes=TypedSearchAttributes(
-                [SearchAttributePair(MACHINE_STAGE, MachineStage.PROVISIONING.value)]
-            ),
+            search_attributes=initial_search_attributes(provider, provider_id, machine_id),
+            static_summary=f"{provider_id} at provider {provider}",
+            static_details=f"BMDB machine {machine_id}; the status query and current details tell how it is doing",
         )
     except WorkflowAlreadyStartedError:
         return False

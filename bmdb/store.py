@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import DateTime, and_, delete, func, insert, literal, or_, select, update
+from sqlalchemy import DateTime, String, and_, cast, delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -105,7 +105,7 @@ class BMDB:
             async with self.engine.connect() as conn:
                 await conn.execute(select(1))
         except (OperationalError, DBAPIError, OSError) as exc:
-            raise BMDBUnavailable(f"BMDB at {redact_url(self.url)} is unreachable: {exc}") from exc
+            raise BMDBUnavailable(f"BMDB at {redact_url(self.url)} is unreachable: {first_line(exc)}") from exc
 
     # --- provided machines -------------------------------------------------
 
@@ -220,7 +220,13 @@ class BMDB:
         """Every provider's machine of that id (one, unless two providers reuse ids)."""
         return await self._machine_records(machine_provided.c.provider_id == provider_id)
 
-    async def _machine_records(self, condition: Any) -> list[MachineRecord]:
+    async def machines_with_id_prefix(self, prefix: str, limit: int) -> list[MachineRecord]:
+        """Machines whose id, as text, starts with prefix: at most limit of them."""
+        return await self._machine_records(
+            cast(machine_provided.c.machine_id, String).startswith(prefix, autoescape=True), limit=limit
+        )
+
+    async def _machine_records(self, condition: Any, limit: int | None = None) -> list[MachineRecord]:
         query = (
             select(
                 machine_provided,
@@ -239,6 +245,8 @@ class BMDB:
         )
         if condition is not None:
             query = query.where(condition)
+        if limit is not None:
+            query = query.limit(limit)
         async with self.engine.connect() as conn:
             return [
                 MachineRecord(
@@ -406,6 +414,13 @@ class BMDB:
             heartbeating = await conn.scalar(select(func.count()).select_from(machine_agent_heartbeat))
             counts["heartbeating"] = int(heartbeating or 0)
             return counts
+
+
+def first_line(error: BaseException) -> str:
+    """The driver's own message, on one line, without SQLAlchemy's statement and background link."""
+    cause = getattr(error, "orig", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return lines[0] if lines else type(cause).__name__
 
 
 def redact_url(url: str) -> str:

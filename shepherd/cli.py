@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from temporalio.service import RPCError
+
+from bmdb.store import BMDBUnavailable
 from shepherd.settings import Settings, SettingsError, parse_duration
 
 EXIT_OK = 0
@@ -51,6 +55,19 @@ def _reason_arg(text: str) -> str:
         return check_reason(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+MACHINE_HELP = "BMDB machine id (or a unique prefix), provider id or workflow id"
+
+
+def _stage_arg(text: str) -> str:
+    from shepherd.fleet_view import NO_WORKFLOW
+    from workflows.types import MachineStage
+
+    stages = [stage.value for stage in MachineStage] + [NO_WORKFLOW]
+    if text.upper() not in stages:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a stage; one of {', '.join(stages)}")
+    return text.upper()
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -90,11 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     recover = commands.add_parser("recover", help="reboot a machine and take it over again (force_recover)")
     _add_common(recover)
-    recover.add_argument("machine", metavar="MACHINE", help="BMDB machine id, provider id or workflow id")
+    recover.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     recover.add_argument("--reason", required=True, type=_reason_arg, help="why; shown in status and the event log")
 
     machines = commands.add_parser("machines", help="each machine's stage, agent age, last heartbeat and recoveries")
     _add_common(machines)
+    machines.add_argument("--stage", type=_stage_arg, help="only machines in this stage (or - for no workflow)")
+    machines.add_argument("--provider", help="only machines of this provider")
+    machines.add_argument("--json", action="store_true", help="a JSON list instead of the table")
+
+    events = commands.add_parser("events", help="a machine's event log, newest first")
+    _add_common(events)
+    events.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    events.add_argument("--limit", type=_positive_int, default=50, help="at most this many events (default 50)")
+    events.add_argument("--json", action="store_true", help="JSON, with details uncut")
+
+    fleet = commands.add_parser("fleet", help="the fleet schedule and its last passes; pause, resume, trigger")
+    _add_common(fleet)
+    change = fleet.add_mutually_exclusive_group()
+    change.add_argument("--pause", action="store_true", help="stop scheduling passes (machines keep their workflows)")
+    change.add_argument("--resume", action="store_true", help="schedule passes again")
+    change.add_argument("--trigger", action="store_true", help="run a pass now")
+    fleet.add_argument("--note", default="", help="why, kept with the schedule's state (with --pause/--resume)")
+    fleet.add_argument("--passes", type=_positive_int, default=5, help="how many recent passes to show (default 5)")
+    fleet.add_argument("--json", action="store_true", help="JSON instead of the table")
 
     sim = commands.add_parser("sim", help="run the fleet simulator (provider API and SSH machines)", add_help=False)
     sim.add_argument("sim_args", nargs=argparse.REMAINDER)
@@ -137,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return simulator_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "fleet" and args.note and not (args.pause or args.resume):
+        parser.error("--note goes with --pause or --resume")
     if args.command == "dev":
         from shepherd.dev import DevOptions
 
@@ -165,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE if isinstance(error, SettingsError) else EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`shepherd machines | head`): nothing more to say, and nowhere to say it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -181,13 +223,21 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "worker":
             return _worker(settings)
         if args.command == "machines":
-            return _machines(settings)
+            return _machines(settings, args)
+        if args.command == "events":
+            return _events(settings, args)
+        if args.command == "fleet":
+            return _fleet(settings, args)
         if args.command == "heartbeat-server":
             return _heartbeat_server(settings)
         if args.command == "recover":
             return _recover(settings, args.machine, args.reason)
     except StartupError as error:
         raise CommandError(str(error)) from None
+    except RPCError as error:
+        raise CommandError(f"Temporal at {settings.temporal_address} refused: {error.message}") from None
+    except BMDBUnavailable as error:
+        raise CommandError(f"{error} (setting database_url)") from None
     raise CommandError(f"unknown command {args.command!r}")
 
 
@@ -225,11 +275,47 @@ def _heartbeat_server(settings: Settings) -> int:
     return EXIT_OK
 
 
-def _machines(settings: Settings) -> int:
-    from shepherd.fleet_view import print_machines
+def _machines(settings: Settings, args: argparse.Namespace) -> int:
+    from shepherd.fleet_view import MachineFilter, print_machines
+
+    only = MachineFilter(stage=args.stage, provider=args.provider)
+    with database(settings) as url:
+        return asyncio.run(print_machines(settings, url, only=only, as_json=args.json))
+
+
+def _events(settings: Settings, args: argparse.Namespace) -> int:
+    from shepherd.events_view import print_events
+    from shepherd.machine_ref import MachineNotFound
+    from worker import open_bmdb
+
+    async def show(url: str) -> int:
+        bmdb = await open_bmdb(url)
+        try:
+            return await print_events(bmdb, args.machine, args.limit, as_json=args.json)
+        finally:
+            await bmdb.close()
 
     with database(settings) as url:
-        return asyncio.run(print_machines(settings, url))
+        try:
+            return asyncio.run(show(url))
+        except MachineNotFound as error:
+            raise CommandError(str(error)) from None
+
+
+def _fleet(settings: Settings, args: argparse.Namespace) -> int:
+    from shepherd.fleet_control import FleetAction, FleetError, print_fleet
+    from worker import connect_temporal
+
+    action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note)
+
+    async def show() -> int:
+        client = await connect_temporal(settings)
+        return await print_fleet(client, action, passes=args.passes, as_json=args.json)
+
+    try:
+        return asyncio.run(show())
+    except FleetError as error:
+        raise CommandError(str(error)) from None
 
 
 def _recover(settings: Settings, machine: str, reason: str) -> int:

@@ -32,7 +32,13 @@ from shepherd.fleet_view import machine_stages
 from shepherd.postgres import LocalPostgres
 from shepherd.settings import ENV_PREFIX, Settings
 from shepherd.tls import local_certificates
-from workflows.types import MACHINE_WORKFLOW_TYPE, MachineStage, MachineStatus, machine_workflow_id
+from workflows.types import (
+    MACHINE_WORKFLOW_TYPE,
+    SEARCH_ATTRIBUTES,
+    MachineStage,
+    MachineStatus,
+    machine_workflow_id,
+)
 
 TEMPORAL_PORT = 7233
 TEMPORAL_UI_PORT = 8233
@@ -293,8 +299,7 @@ class DevStack:
                     str(TEMPORAL_UI_PORT),
                     "--db-filename",
                     str(self.state / "temporal.db"),
-                    "--search-attribute",
-                    "MachineStage=Keyword",
+                    *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
                     "--log-level",
                     "warn",
                 ],

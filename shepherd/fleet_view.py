@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TextIO
+from typing import Any, TextIO
 
 from temporalio.client import Client
 
@@ -14,13 +15,14 @@ from bmdb.store import BMDB, MachineRecord
 from shepherd.settings import Settings
 from workflows.types import MACHINE_STAGE, MACHINE_WORKFLOW_TYPE, machine_workflow_id
 
+NO_WORKFLOW = "-"
 RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
 
 
 @dataclass(frozen=True)
 class MachineView:
     record: MachineRecord
-    stage: str  # the workflow's MachineStage; "-" when no workflow runs
+    stage: str  # the workflow's MachineStage, or NO_WORKFLOW
     recoveries: int
 
 
@@ -28,7 +30,7 @@ async def machine_stages(client: Client) -> dict[str, str]:
     """Workflow id -> MachineStage of every running machine workflow."""
     stages: dict[str, str] = {}
     async for execution in client.list_workflows(RUNNING_MACHINES):
-        stages[execution.id] = execution.typed_search_attributes.get(MACHINE_STAGE) or "-"
+        stages[execution.id] = execution.typed_search_attributes.get(MACHINE_STAGE) or NO_WORKFLOW
     return stages
 
 
@@ -42,7 +44,7 @@ async def fleet_view(client: Client, bmdb: BMDB) -> list[MachineView]:
     return [
         MachineView(
             record,
-            stages.get(machine_workflow_id(record.provider, record.provider_id), "-"),
+            stages.get(machine_workflow_id(record.provider, record.provider_id), NO_WORKFLOW),
             recoveries.get(record.machine_id, 0),
         )
         for record in await bmdb.list_machines()
@@ -83,15 +85,59 @@ def format_machines(views: list[MachineView], now: datetime) -> list[str]:
     return lines
 
 
-async def print_machines(settings: Settings, database_url: str, out: TextIO | None = None) -> int:
+def machine_json(view: MachineView) -> dict[str, Any]:
+    record = view.record
+
+    def when(at: datetime | None) -> str | None:
+        return at.isoformat() if at else None
+
+    return {
+        "provider": record.provider,
+        "provider_id": record.provider_id,
+        "machine_id": str(record.machine_id),
+        "workflow_id": machine_workflow_id(record.provider, record.provider_id),
+        "address": record.address,
+        "ssh_port": record.ssh_port,
+        "bmdb_status": record.status,
+        "stage": None if view.stage == NO_WORKFLOW else view.stage,
+        "agent_started_at": when(record.agent_started_at),
+        "last_heartbeat_at": when(record.agent_heartbeat_at),
+        "recoveries": view.recoveries,
+    }
+
+
+@dataclass(frozen=True)
+class MachineFilter:
+    stage: str | None = None  # a MachineStage, or NO_WORKFLOW
+    provider: str | None = None
+
+    def admits(self, view: MachineView) -> bool:
+        return (self.stage is None or view.stage == self.stage) and (
+            self.provider is None or view.record.provider == self.provider
+        )
+
+
+async def print_machines(
+    settings: Settings,
+    database_url: str,
+    out: TextIO | None = None,
+    *,
+    only: MachineFilter = MachineFilter(),
+    as_json: bool = False,
+) -> int:
     from worker import connect_temporal, open_bmdb
 
     client = await connect_temporal(settings)
     bmdb = await open_bmdb(database_url)
     try:
-        views = await fleet_view(client, bmdb)
+        views = [view for view in await fleet_view(client, bmdb) if only.admits(view)]
     finally:
         await bmdb.close()
+    out = out or sys.stdout
+    if as_json:
+        json.dump([machine_json(view) for view in views], out, indent=2)
+        out.write("\n")
+        return 0
     for line in format_machines(views, datetime.now(UTC)):
-        print(line, file=out or sys.stdout)
+        print(line, file=out)
     return 0

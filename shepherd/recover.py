@@ -6,7 +6,6 @@ only finds the workflow from whatever name the operator has at hand.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +14,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB
+from shepherd.machine_ref import MachineNotFound, resolve_machine
 from workflows.types import FORCE_RECOVER_SIGNAL, MACHINE_WORKFLOW_TYPE, MachineStatus, machine_workflow_id
 
 # Long enough for any operator's note, short enough for a status line.
@@ -54,24 +54,17 @@ async def _machine_workflow_exists(client: Client, workflow_id: str) -> bool:
 
 
 async def find_machine_workflow(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], machine: str) -> str:
-    """The workflow id of the machine named by a workflow id, a BMDB machine id or a provider id."""
+    """The workflow id of the machine named by a workflow id, a provider id or a BMDB machine id (or prefix)."""
     if machine.startswith("machine-") and await _machine_workflow_exists(client, machine):
         return machine
     bmdb = await open_bmdb()
     try:
-        try:
-            record = await bmdb.get_machine(uuid.UUID(machine))
-            records = [record] if record else []
-        except ValueError:
-            records = await bmdb.machines_with_provider_id(machine)
+        record = await resolve_machine(bmdb, machine)
+    except MachineNotFound as error:
+        raise RecoverError(str(error)) from None
     finally:
         await bmdb.close()
-    if not records:
-        raise RecoverError(f"no machine {machine!r}: it is neither a BMDB machine id, a provider id nor a workflow id")
-    if len(records) > 1:
-        ids = ", ".join(machine_workflow_id(r.provider, r.provider_id) for r in records)
-        raise RecoverError(f"{machine!r} names machines of several providers; give the workflow id: {ids}")
-    return machine_workflow_id(records[0].provider, records[0].provider_id)
+    return machine_workflow_id(record.provider, record.provider_id)
 
 
 async def request_recovery(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], request: RecoverRequest) -> str:

@@ -32,6 +32,17 @@ class SettingsError(ValueError):
         self.setting = setting
 
 
+LOG_FORMATS = ("text", "json")
+
+
+def check_listen_address(setting: str, value: str) -> tuple[str, int]:
+    """(host, port) of a host:port setting; port 0 picks a free one."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise SettingsError(setting, f"must be host:port, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 def parse_duration(text: str) -> float:
     """Seconds from ``90``, ``1.5s``, ``250ms``, ``5m`` or ``4h``."""
     match = _DURATION_RE.match(text)
@@ -114,6 +125,10 @@ class Settings:
     max_concurrent_workflow_tasks: int = _setting(100, "Workflow tasks one worker runs at once")
     shutdown_grace: float = _duration(10.0, "How long a stopping worker lets running activities finish")
 
+    # Observability, per process
+    metrics_listen: str = _setting("", "host:port this process serves Prometheus /metrics on; empty: none")
+    log_format: str = _setting("text", "Log lines as text or json")
+
     @property
     def agent_start_backoff(self) -> Backoff:
         return Backoff(
@@ -150,6 +165,10 @@ class Settings:
 
     def check(self) -> Settings:
         """Refuse values Shepherd cannot run with; returns self so calls chain."""
+        if self.metrics_listen:
+            check_listen_address("metrics_listen", self.metrics_listen)
+        if self.log_format not in LOG_FORMATS:
+            raise SettingsError("log_format", f"must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata.get("duration") and value <= 0:
@@ -200,9 +219,7 @@ class Settings:
     def check_heartbeat_server(self) -> Settings:
         """What the heartbeat server needs on top of check()."""
         self.check()
-        _, sep, port = self.heartbeat_listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise SettingsError("heartbeat_listen", f"must be host:port, got {self.heartbeat_listen!r}")
+        check_listen_address("heartbeat_listen", self.heartbeat_listen)
         if self.heartbeat_plaintext:
             return self
         for name in ("heartbeat_tls_certificate_path", "heartbeat_tls_key_path"):

@@ -22,7 +22,7 @@ from temporalio.testing import WorkflowEnvironment
 from bmdb import migrate
 from bmdb.store import BMDB
 from shepherd.postgres import LocalPostgres
-from workflows.types import MACHINE_STAGE
+from workflows.types import SEARCH_ATTRIBUTES
 
 BIN = Path(sys.executable).parent
 TEMPLATE_DB = "bmdb_template"
@@ -62,7 +62,7 @@ async def bmdb(bmdb_url: str) -> AsyncIterator[BMDB]:
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(BIN / "temporal"),
-        search_attributes=[MACHINE_STAGE],
+        search_attributes=SEARCH_ATTRIBUTES,
         dev_server_log_level="error",
     )
     yield env
@@ -84,7 +84,7 @@ async def register_search_attributes(client: Client, namespace: str) -> None:
     await client.operator_service.add_search_attributes(
         AddSearchAttributesRequest(
             namespace=namespace,
-            search_attributes={MACHINE_STAGE.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD},
+            search_attributes={key.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for key in SEARCH_ATTRIBUTES},
         )
     )
 
@@ -117,3 +117,18 @@ async def create_namespace(env: WorkflowEnvironment) -> Client:
 @pytest.fixture
 async def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
     return await create_namespace(temporal_env)
+
+
+@pytest.fixture
+def shepherd_cli(monkeypatch, capsys):
+    """Run ``shepherd ARGS`` in this process with extra environment; returns (exit code, stdout, stderr)."""
+    from shepherd import cli
+
+    async def run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        code = await asyncio.to_thread(cli.main, list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -67,6 +67,12 @@ class FleetStack:
     simulator: Simulator
     deps: ActivityDeps
 
+    def environment(self, bmdb_url: str) -> dict[str, str]:
+        """SHEPHERD_* variables that point a `shepherd` command at this stack."""
+        from shepherd.dev import settings_environment
+
+        return {**settings_environment(self.settings), "SHEPHERD_DATABASE_URL": bmdb_url}
+
     async def run_pass(self) -> FleetPassResult:
         return await self.client.execute_workflow(
             FleetWorkflow.run,

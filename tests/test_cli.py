@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -54,6 +55,40 @@ def test_worker_refuses_an_unreachable_temporal(agent_env):
     result = shepherd("worker", env={**agent_env, "SHEPHERD_TEMPORAL_ADDRESS": "127.0.0.1:1"})
     assert result.returncode == 1
     assert "temporal_address" in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_worker_refuses_a_namespace_without_the_search_attributes(agent_env, temporal_env):
+    from google.protobuf.duration_pb2 import Duration
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+    from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+    from temporalio.service import RPCError
+
+    bare = f"bare-{os.getpid()}-{id(agent_env)}"
+    await temporal_env.client.workflow_service.register_namespace(
+        RegisterNamespaceRequest(namespace=bare, workflow_execution_retention_period=Duration(seconds=86400))
+    )
+    # A new namespace takes a moment to reach every part of the server.
+    for _ in range(100):
+        try:
+            await temporal_env.client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=bare)
+            )
+            break
+        except RPCError:
+            await asyncio.sleep(0.1)
+    env = {
+        **agent_env,
+        "SHEPHERD_TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
+        "SHEPHERD_TEMPORAL_NAMESPACE": bare,
+    }
+    result = await asyncio.to_thread(shepherd, "worker", env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"namespace '{bare}' lacks the search attributes MachineStage, Provider, ProviderId, MachineId" in (
+        result.stderr
+    )
+    assert f"temporal operator search-attribute create --namespace {bare} --name MachineId --type Keyword" in (
+        result.stderr
+    )
 
 
 def test_worker_refuses_an_unreachable_database(agent_env, temporal_env, tmp_path):

@@ -25,7 +25,7 @@ from tests.fleet_stack import fleet_stack
 from worker import fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
-from workflows.types import MACHINE_STAGE, MachineStage
+from workflows.types import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
 
 
 def nodes(count: int) -> list[str]:
@@ -66,9 +66,19 @@ async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, tempor
         assert again.admitted == [] and again.workflows_started == 0
         assert again.plan is not None and again.plan.note == "no free capacity"
 
-        # The stage is a search attribute the UI (and we) can filter on.
+        # Search attributes the UI (and we) can filter on, a summary and current details to read.
         description = await stack.machine("node-0001").describe()
+        record = records[0]
         assert description.typed_search_attributes.get(MACHINE_STAGE) == "WATCHING"
+        assert description.typed_search_attributes.get(PROVIDER) == "sim"
+        assert description.typed_search_attributes.get(PROVIDER_ID) == "node-0001"
+        assert description.typed_search_attributes.get(MACHINE_ID) == str(record.machine_id)
+        found = [e.id async for e in temporal_client.list_workflows('ProviderId = "node-0003"')]
+        assert found == ["machine-sim-node-0003"]
+        assert await description.static_summary() == "node-0001 at provider sim"
+        metadata = await stack.machine("node-0001").query("__temporal_workflow_metadata")
+        details = metadata.current_details
+        assert "**node-0001** at provider sim, address 127.0.0.1" in details and "**WATCHING** since" in details
 
         # Workflow code is deterministic: the histories just made replay cleanly.
         replayer = Replayer(workflows=[MachineWorkflow, FleetWorkflow])

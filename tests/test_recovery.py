@@ -9,13 +9,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from shepherd import cli
-from shepherd.dev import settings_environment
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
 from workflows.types import MachineStage
 
-NAMES = "a BMDB machine id, a provider id nor a workflow id"
+NAMES = "a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"
 WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
 
 
@@ -109,20 +107,14 @@ async def test_force_recover_from_the_temporal_cli(tmp_path, temporal_client, bm
         assert any(e.kind == "rebooted" and "disk errors" in e.detail for e in events)
 
 
-async def test_shepherd_recover_finds_the_machine_by_any_name(
-    tmp_path, temporal_client, bmdb_url, bmdb, monkeypatch, capsys
-):
+async def test_shepherd_recover_finds_the_machine_by_any_name(tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli):
     async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **WATCH) as stack:
         await stack.run_pass()
         await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
-        for name, value in {**settings_environment(stack.settings), "SHEPHERD_DATABASE_URL": bmdb_url}.items():
-            monkeypatch.setenv(name, value)
         record = await heartbeat_of(stack, bmdb, "node-0001")
 
         async def shepherd(*args: str) -> tuple[int, str, str]:
-            code = await asyncio.to_thread(cli.main, list(args))
-            out, err = capsys.readouterr()
-            return code, out, err
+            return await shepherd_cli(stack.environment(bmdb_url), *args)
 
         async def recovered(provider_id: str, count: int):
             async def check():

@@ -45,6 +45,7 @@ class FleetWorkflow:
                 ReconcilePassInput(
                     provider=input.provider, max_machines=input.max_machines, chunk_size=input.chunk_size
                 ),
+                summary=f"list provider {input.provider} and BMDB, decide what to bring under management",
                 start_to_close_timeout=_LISTING_TIMEOUT,
                 retry_policy=_RETRY,
             )
@@ -54,6 +55,7 @@ class FleetWorkflow:
                 await workflow.execute_activity_method(
                     FleetActivities.admit_machine,
                     AdmitInput(provider=input.provider, provider_id=provider_id),
+                    summary=f"admit {provider_id} to BMDB and start its workflow",
                     start_to_close_timeout=timedelta(minutes=1),
                     retry_policy=_RETRY,
                 )
@@ -62,6 +64,7 @@ class FleetWorkflow:
             ensured = await workflow.execute_activity_method(
                 FleetActivities.ensure_machine_workflows,
                 EnsureWorkflowsInput(provider=input.provider),
+                summary="start the workflow of every managed machine that has none running",
                 start_to_close_timeout=_LISTING_TIMEOUT,
                 retry_policy=_RETRY,
             )
@@ -74,18 +77,20 @@ class FleetWorkflow:
                     first_heartbeat_within=input.first_heartbeat_within,
                     heartbeat_within=input.heartbeat_within,
                 ),
+                summary="find machines whose agent went silent and signal heartbeat_lost to them",
                 start_to_close_timeout=_LISTING_TIMEOUT,
                 retry_policy=_RETRY,
             )
         except ActivityError as error:
             result.error = describe_failure(error)
-            raise ApplicationError(f"reconcile pass failed: {result.error}", non_retryable=True) from error
+            # The pass result rides along as the failure's detail, for `shepherd fleet`.
+            raise ApplicationError(f"reconcile pass failed: {result.error}", result, non_retryable=True) from error
         if plan.refused:
             # Failing the run makes the refusal stand out in the UI's list; the
             # next scheduled pass looks again.
             result.error = plan.note
             raise ApplicationError(
-                f"{plan.note}: {'; '.join(plan.disagreements)}", type="ReconcileRefused", non_retryable=True
+                f"{plan.note}: {'; '.join(plan.disagreements)}", result, type="ReconcileRefused", non_retryable=True
             )
         return result
 

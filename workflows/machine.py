@@ -29,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.types import (
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
-        MACHINE_STAGE,
         AgentFacts,
         Backoff,
         MachineInput,
@@ -39,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         ProvisionResult,
         RebootInput,
         StartAgentInput,
+        machine_search_attributes,
     )
 
 T = TypeVar("T")
@@ -163,6 +163,7 @@ class MachineWorkflow:
             return
         status.recovery_requested = reason
         workflow.logger.info("recovery requested: %s", reason)
+        self._show_details()
 
     @workflow.query
     def status(self) -> MachineStatus:
@@ -177,6 +178,7 @@ class MachineWorkflow:
                 machine_id=input.machine_id,
                 idempotency_key=workflow.info().workflow_id,
             ),
+            summary=f"create {input.provider_id} at provider {input.provider} and record it in BMDB",
             start_to_close_timeout=timedelta(seconds=input.policy.provision_timeout),
             retry_policy=_BLIP_RETRY,
         )
@@ -185,6 +187,7 @@ class MachineWorkflow:
         return await workflow.execute_activity_method(
             TakeoverActivities.start_agent,
             StartAgentInput(provider=input.provider, provider_id=input.provider_id, machine_id=input.machine_id),
+            summary=f"start the agent on {input.provider_id} over SSH",
             start_to_close_timeout=timedelta(seconds=input.policy.agent_start_timeout),
             retry_policy=_BLIP_RETRY,
         )
@@ -195,6 +198,7 @@ class MachineWorkflow:
             RebootInput(
                 provider=input.provider, provider_id=input.provider_id, machine_id=input.machine_id, cause=reason
             ),
+            summary=f"reboot {input.provider_id} through provider {input.provider}: {reason}"[:200],
             start_to_close_timeout=timedelta(seconds=input.policy.recovery_timeout),
             retry_policy=_BLIP_RETRY,
         )
@@ -209,6 +213,7 @@ class MachineWorkflow:
                 self._status.last_error = describe_failure(error)
                 delay = backoff.delay(self._status.attempts)
                 self._status.next_attempt_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
+                self._show_details()
                 workflow.logger.warning(
                     "%s attempt %d failed, next in %.0fs: %s",
                     self._status.stage,
@@ -220,6 +225,7 @@ class MachineWorkflow:
                 continue
             self._status.attempts = 0
             self._status.next_attempt_at = None
+            self._status.last_error = None
             return result
 
     def _set_stage(self, stage: MachineStage) -> None:
@@ -227,7 +233,31 @@ class MachineWorkflow:
             self._status.stage = stage
             self._status.stage_since = self._now()
             self._status.last_error = None
-        workflow.upsert_search_attributes([MACHINE_STAGE.value_set(stage.value)])
+        status = self._status
+        workflow.upsert_search_attributes(
+            machine_search_attributes(status.provider, status.provider_id, status.machine_id, stage)
+        )
+        self._show_details()
+
+    def _show_details(self) -> None:
+        """The Temporal UI's "current details" of this machine: who it is and how it is doing."""
+        status = self._status
+        lines = [
+            f"**{status.provider_id}** at provider {status.provider}, address {status.address or 'not known yet'}",
+            f"BMDB machine {status.machine_id}",
+            f"**{status.stage}** since {status.stage_since}",
+        ]
+        if status.agent is not None and status.stage is MachineStage.WATCHING:
+            lines.append(f"agent key {status.agent.key_fingerprint}, started {status.agent.started_at}")
+        if status.last_error:
+            lines.append(f"attempt {status.attempts} failed: {status.last_error}; next at {status.next_attempt_at}")
+        if status.recovery_requested:
+            lines.append(f"recovery requested: {status.recovery_requested}")
+        lines.append(
+            f"recoveries: {status.recovery_count}"
+            + (f", last: {status.last_recovery_reason}" if status.last_recovery_reason else "")
+        )
+        workflow.set_current_details("\n\n".join(lines))
 
     @staticmethod
     def _now() -> str:

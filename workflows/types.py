@@ -9,14 +9,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from temporalio.common import SearchAttributeKey
+from temporalio.common import SearchAttributeKey, SearchAttributePair, SearchAttributeUpdate, TypedSearchAttributes
 
 MACHINE_WORKFLOW_TYPE = "MachineWorkflow"
 FLEET_WORKFLOW_TYPE = "FleetWorkflow"
 FLEET_SCHEDULE_ID = "shepherd-fleet"
 FLEET_WORKFLOW_ID = "shepherd-fleet"
 
+# Custom search attributes of every machine workflow, so the Temporal UI's list
+# filters on them (MachineStage = "RECOVERING", ProviderId = "node-0007").
 MACHINE_STAGE = SearchAttributeKey.for_keyword("MachineStage")
+PROVIDER = SearchAttributeKey.for_keyword("Provider")
+PROVIDER_ID = SearchAttributeKey.for_keyword("ProviderId")
+MACHINE_ID = SearchAttributeKey.for_keyword("MachineId")
+SEARCH_ATTRIBUTES = (MACHINE_STAGE, PROVIDER, PROVIDER_ID, MACHINE_ID)
 
 
 class MachineStage(enum.StrEnum):
@@ -28,6 +34,29 @@ class MachineStage(enum.StrEnum):
 
 def machine_workflow_id(provider: str, provider_id: str) -> str:
     return f"machine-{provider}-{provider_id}"
+
+
+def machine_search_attributes(
+    provider: str, provider_id: str, machine_id: str, stage: MachineStage
+) -> list[SearchAttributeUpdate]:
+    return [
+        MACHINE_STAGE.value_set(stage.value),
+        PROVIDER.value_set(provider),
+        PROVIDER_ID.value_set(provider_id),
+        MACHINE_ID.value_set(machine_id),
+    ]
+
+
+def initial_search_attributes(provider: str, provider_id: str, machine_id: str) -> TypedSearchAttributes:
+    """What a machine workflow starts with, so it can be found before its first task runs."""
+    return TypedSearchAttributes(
+        [
+            SearchAttributePair(MACHINE_STAGE, MachineStage.PROVISIONING.value),
+            SearchAttributePair(PROVIDER, provider),
+            SearchAttributePair(PROVIDER_ID, provider_id),
+            SearchAttributePair(MACHINE_ID, machine_id),
+        ]
+    )
 
 
 HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"

@@ -1,0 +1,44 @@
+"""``shepherd events MACHINE``: a machine's event log from BMDB, newest first."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from bmdb.store import BMDB, Event, MachineRecord
+from shepherd.machine_ref import resolve_machine
+from workflows.types import machine_workflow_id
+
+_DETAIL_WIDTH = 80 - 19 - 18 - 2
+
+
+def format_events(record: MachineRecord, events: list[Event]) -> list[str]:
+    """A heading and one line per event, 80 columns; long details are cut, --json has them whole."""
+    lines = [
+        f"{record.provider_id} ({machine_workflow_id(record.provider, record.provider_id)}), "
+        f"BMDB machine {record.machine_id}",
+        f"{'AT (UTC)':<19} {'KIND':<18} DETAIL",
+    ]
+    for event in events:
+        detail = " ".join(event.detail.split())
+        if len(detail) > _DETAIL_WIDTH:
+            detail = detail[: _DETAIL_WIDTH - 3] + "..."
+        lines.append(f"{event.at.strftime('%Y-%m-%d %H:%M:%S'):<19} {event.kind:<18} {detail}")
+    if not events:
+        lines.append("(no events)")
+    return lines
+
+
+async def print_events(bmdb: BMDB, name: str, limit: int, *, as_json: bool = False, out: TextIO | None = None) -> int:
+    record = await resolve_machine(bmdb, name)
+    events = await bmdb.list_events(record.machine_id, limit=limit)
+    out = out or sys.stdout
+    if as_json:
+        rows = [{"at": e.at.isoformat(), "kind": e.kind, "detail": e.detail} for e in events]
+        json.dump({"machine_id": str(record.machine_id), "provider_id": record.provider_id, "events": rows}, out)
+        out.write("\n")
+        return 0
+    for line in format_events(record, events):
+        print(line, file=out)
+    return 0

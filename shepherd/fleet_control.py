@@ -1,0 +1,173 @@
+"""``shepherd fleet``: the fleet schedule's state and its last passes; pause, resume, trigger."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TextIO
+
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
+
+
+class FleetError(Exception):
+    """The fleet schedule is missing or could not be changed; the message says why."""
+
+
+@dataclass(frozen=True)
+class FleetAction:
+    pause: bool = False
+    resume: bool = False
+    trigger: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FleetPass:
+    started_at: datetime | None
+    outcome: str  # running, completed, refused, failed, ...
+    result: dict[str, Any]  # FleetPassResult as JSON; empty while running or when nothing came back
+    why: str | None = None
+
+
+async def apply(client: Client, action: FleetAction) -> str | None:
+    handle = client.get_schedule_handle(FLEET_SCHEDULE_ID)
+    note = action.note or "by shepherd fleet"
+    try:
+        if action.pause:
+            await handle.pause(note=note)
+            return "paused the fleet schedule: no passes until `shepherd fleet --resume`"
+        if action.resume:
+            await handle.unpause(note=note)
+            return "resumed the fleet schedule"
+        if action.trigger:
+            await handle.trigger()
+            return "started a fleet pass now"
+    except RPCError as error:
+        raise _schedule_error(error) from None
+    return None
+
+
+def _schedule_error(error: RPCError) -> FleetError:
+    if error.status == RPCStatusCode.NOT_FOUND:
+        return FleetError(f"there is no fleet schedule {FLEET_SCHEDULE_ID!r} yet: a worker creates it when it starts")
+    return FleetError(f"cannot reach the fleet schedule {FLEET_SCHEDULE_ID!r}: {error}")
+
+
+async def schedule_line(client: Client) -> tuple[str, dict[str, Any]]:
+    try:
+        description = await client.get_schedule_handle(FLEET_SCHEDULE_ID).describe()
+    except RPCError as error:
+        raise _schedule_error(error) from None
+    state = description.schedule.state
+    intervals = description.schedule.spec.intervals
+    every = f"every {intervals[0].every.total_seconds():g}s" if intervals else "on its own calendar"
+    upcoming = description.info.next_action_times[:1]
+    facts = {
+        "schedule_id": FLEET_SCHEDULE_ID,
+        "paused": state.paused,
+        "note": state.note or None,
+        "interval_seconds": intervals[0].every.total_seconds() if intervals else None,
+        "next_pass_at": upcoming[0].isoformat() if upcoming and not state.paused else None,
+    }
+    if state.paused:
+        line = f"schedule {FLEET_SCHEDULE_ID}: PAUSED ({state.note or 'no note'}), {every}"
+    else:
+        next_pass = f", next pass {_clock(upcoming[0])}" if upcoming else ""
+        line = f"schedule {FLEET_SCHEDULE_ID}: running, {every}{next_pass}"
+    return line, facts
+
+
+async def last_passes(client: Client, count: int) -> list[FleetPass]:
+    passes = []
+    async for execution in client.list_workflows(f'WorkflowType = "{FLEET_WORKFLOW_TYPE}"', limit=count):
+        handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+        status = execution.status
+        if status == WorkflowExecutionStatus.RUNNING:
+            passes.append(FleetPass(execution.start_time, "running", {}))
+            continue
+        try:
+            result = await handle.result(follow_runs=False)
+            passes.append(FleetPass(execution.start_time, "completed", result if isinstance(result, dict) else {}))
+        except WorkflowFailureError as failure:
+            passes.append(_failed_pass(execution.start_time, failure))
+    passes.sort(key=lambda p: p.started_at or datetime.min, reverse=True)
+    return passes
+
+
+def _failed_pass(started_at: datetime | None, failure: WorkflowFailureError) -> FleetPass:
+    cause = failure.cause
+    result: dict[str, Any] = {}
+    if isinstance(cause, ApplicationError):
+        # The pass result travels as the failure's detail, so a refused pass still shows its counts.
+        if cause.details and isinstance(cause.details[0], dict):
+            result = cause.details[0]
+        outcome = "refused" if cause.type == "ReconcileRefused" else "failed"
+        return FleetPass(started_at, outcome, result, cause.message)
+    return FleetPass(started_at, type(cause).__name__.lower() if cause else "failed", result, str(cause or failure))
+
+
+def _clock(at: datetime | None) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S") if at else "-"
+
+
+def format_passes(passes: list[FleetPass]) -> list[str]:
+    """80 columns: one line a pass, and a line for why it failed or whom it found silent."""
+    row = "{:<19} {:<9} {:>8} {:>6} {:>8} {:>9} {:>6}"
+    lines = [row.format("PASS STARTED (UTC)", "OUTCOME", "PROVIDER", "BMDB", "ADMITTED", "WORKFLOWS", "SILENT")]
+    for fleet_pass in passes:
+        result = fleet_pass.result
+        plan = result.get("plan") or {}
+        lines.append(
+            row.format(
+                _clock(fleet_pass.started_at),
+                fleet_pass.outcome,
+                plan.get("provider_count", "-"),
+                plan.get("bmdb_count", "-"),
+                len(result.get("admitted", [])) if result else "-",
+                result.get("workflows_started", "-"),
+                len(result.get("silent", [])) if result else "-",
+            )
+        )
+        if fleet_pass.why:
+            lines += textwrap.wrap(fleet_pass.why, 80, initial_indent="  why: ", subsequent_indent="       ")
+        if result.get("silent"):
+            silent = ", ".join(result["silent"])
+            lines += textwrap.wrap(silent, 80, initial_indent="  silent: ", subsequent_indent="          ")
+    if len(lines) == 1:
+        lines.append("(no passes yet)")
+    return lines
+
+
+async def print_fleet(
+    client: Client, action: FleetAction, *, passes: int = 5, as_json: bool = False, out: TextIO | None = None
+) -> int:
+    out = out or sys.stdout
+    done = await apply(client, action)
+    line, facts = await schedule_line(client)
+    recent = await last_passes(client, passes)
+    if as_json:
+        rows = [
+            {
+                "started_at": p.started_at.isoformat() if p.started_at else None,
+                "outcome": p.outcome,
+                "why": p.why,
+                "result": p.result,
+            }
+            for p in recent
+        ]
+        json.dump({"schedule": facts, "passes": rows}, out, indent=2)
+        out.write("\n")
+        return 0
+    if done:
+        print(done, file=out)
+    print(line, file=out)
+    for text in format_passes(recent):
+        print(text, file=out)
+    return 0

@@ -1,0 +1,53 @@
+"""One machine from whatever name an operator has at hand.
+
+A workflow id (``machine-sim-node-0007``), a provider id (``node-0007``), a
+BMDB machine id, or a prefix of one long enough to be unique.
+"""
+
+from __future__ import annotations
+
+import re
+
+from bmdb.store import BMDB, MachineRecord
+from workflows.types import machine_workflow_id
+
+# Short enough to type, long enough that a typo rarely hits another machine.
+MIN_ID_PREFIX = 4
+_ID_PREFIX = re.compile(r"^[0-9a-fA-F-]+$")
+_SHOWN_CANDIDATES = 5
+
+
+class MachineNotFound(Exception):
+    """No machine, or more than one, goes by that name; the message says which."""
+
+
+async def resolve_machine(bmdb: BMDB, name: str) -> MachineRecord:
+    candidates: dict[str, MachineRecord] = {}
+    for record in await _matches(bmdb, name.strip()):
+        candidates[str(record.machine_id)] = record
+    if not candidates:
+        raise MachineNotFound(
+            f"no machine {name!r}: it is neither a BMDB machine id (or a unique prefix of one), "
+            "a provider id nor a workflow id"
+        )
+    if len(candidates) > 1:
+        shown = sorted(candidates.values(), key=lambda r: (r.provider, r.provider_id))[:_SHOWN_CANDIDATES]
+        listed = ", ".join(f"{r.machine_id} ({machine_workflow_id(r.provider, r.provider_id)})" for r in shown)
+        more = " and more" if len(candidates) > len(shown) else ""
+        raise MachineNotFound(f"{name!r} is ambiguous: it names {listed}{more}; give more of it")
+    return next(iter(candidates.values()))
+
+
+async def _matches(bmdb: BMDB, name: str) -> list[MachineRecord]:
+    if not name:
+        return []
+    found = await bmdb.machines_with_provider_id(name)
+    if name.startswith("machine-"):
+        # The provider may contain dashes too: try every split of the rest.
+        rest = name.removeprefix("machine-")
+        for at in (i for i, char in enumerate(rest) if char == "-"):
+            provider, provider_id = rest[:at], rest[at + 1 :]
+            found += [r for r in await bmdb.machines_with_provider_id(provider_id) if r.provider == provider]
+    if len(name) >= MIN_ID_PREFIX and _ID_PREFIX.match(name):
+        found += await bmdb.machines_with_id_prefix(name.lower(), limit=_SHOWN_CANDIDATES + 1)
+    return found

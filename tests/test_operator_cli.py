@@ -1,0 +1,178 @@
+"""The operator's commands: machines (filters, JSON), events, fleet (passes, pause, resume, trigger)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from sqlalchemy import insert
+from temporalio.client import WorkflowFailureError
+
+from bmdb.schema import machine_provided, machines
+from bmdb.store import BMDB
+from shepherd.machine_ref import MachineNotFound, resolve_machine
+from tests.fleet_stack import fleet_stack
+from worker import ensure_fleet_schedule
+from workflows.types import MachineStage
+
+NO_SCHEDULE = "a worker creates it when it starts"
+NOT_FOUND = "it is neither a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"
+
+
+async def add_machine(bmdb: BMDB, machine_id: str, provider: str, provider_id: str) -> None:
+    async with bmdb.engine.begin() as conn:
+        await conn.execute(insert(machines).values(machine_id=uuid.UUID(machine_id)))
+        await conn.execute(
+            insert(machine_provided).values(
+                machine_id=uuid.UUID(machine_id), provider=provider, provider_id=provider_id, status="provided"
+            )
+        )
+
+
+async def test_a_machine_is_found_by_any_of_its_names(bmdb):
+    await add_machine(bmdb, "abcd0000-0000-4000-8000-000000000001", "sim", "node-0001")
+    await add_machine(bmdb, "abcd1111-0000-4000-8000-000000000002", "other", "node-0001")
+    await add_machine(bmdb, "12345678-0000-4000-8000-000000000003", "my-cloud", "rack-1")
+
+    async def provider_id_of(name: str) -> tuple[str, str]:
+        record = await resolve_machine(bmdb, name)
+        return record.provider, record.provider_id
+
+    assert await provider_id_of("abcd0000-0000-4000-8000-000000000001") == ("sim", "node-0001")
+    assert await provider_id_of("abcd0") == ("sim", "node-0001")
+    assert await provider_id_of("ABCD1") == ("other", "node-0001")
+    assert await provider_id_of("machine-other-node-0001") == ("other", "node-0001")
+    assert await provider_id_of("machine-my-cloud-rack-1") == ("my-cloud", "rack-1")
+    assert await provider_id_of("rack-1") == ("my-cloud", "rack-1")
+    assert await provider_id_of(" 1234 ") == ("my-cloud", "rack-1")
+
+    for ambiguous in ("abcd", "node-0001"):
+        with pytest.raises(MachineNotFound) as caught:
+            await resolve_machine(bmdb, ambiguous)
+        assert str(caught.value).startswith(f"{ambiguous!r} is ambiguous: it names abcd")
+        assert "machine-sim-node-0001" in str(caught.value) and "machine-other-node-0001" in str(caught.value)
+    for unknown in ("node-0009", "abc", "", "machine-sim-rack-1", "1234%", "abcd_"):
+        with pytest.raises(MachineNotFound) as caught:
+            await resolve_machine(bmdb, unknown)
+        assert str(caught.value) == f"no machine {unknown!r}: {NOT_FOUND}"
+
+
+async def test_machines_filters_and_json(tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=3) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002", "node-0003"], MachineStage.WATCHING)
+        await stack.machine("node-0002").terminate("retired by hand")
+        env = stack.environment(bmdb_url)
+
+        code, out, err = await shepherd_cli(env, "machines", "--stage", "watching")
+        assert code == 0, err
+        assert [line.split()[0] for line in out.splitlines()[1:]] == ["node-0001", "node-0003"]
+        code, out, _ = await shepherd_cli(env, "machines", "--stage", "-")
+        assert [line.split()[0] for line in out.splitlines()[1:]] == ["node-0002"]
+        code, out, _ = await shepherd_cli(env, "machines", "--provider", "elsewhere")
+        assert code == 0 and out.splitlines()[1:] == []
+
+        code, out, err = await shepherd_cli(env, "machines", "--json")
+        assert code == 0, err
+        rows = json.loads(out)
+        assert [row["provider_id"] for row in rows] == ["node-0001", "node-0002", "node-0003"]
+        first = rows[0]
+        record = (await bmdb.machines_with_provider_id("node-0001"))[0]
+        assert first["machine_id"] == str(record.machine_id) and first["workflow_id"] == "machine-sim-node-0001"
+        assert first["stage"] == "WATCHING" and rows[1]["stage"] is None
+        assert first["address"] == "127.0.0.1" and isinstance(first["ssh_port"], int)
+        assert first["agent_started_at"] and first["recoveries"] == 0 and first["bmdb_status"] == "provided"
+
+
+async def test_events_of_a_machine(tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+        env = stack.environment(bmdb_url)
+        record = (await bmdb.machines_with_provider_id("node-0001"))[0]
+        await bmdb.add_event(record.machine_id, "note", "x" * 200)
+
+        code, out, err = await shepherd_cli(env, "events", str(record.machine_id)[:8])
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0] == f"node-0001 (machine-sim-node-0001), BMDB machine {record.machine_id}"
+        assert [line.split()[2] for line in lines[2:]] == ["note", "agent_started", "provided", "admitted"]
+        assert max(len(line) for line in lines[1:]) <= 80 and lines[2].endswith("x...")
+
+        code, out, err = await shepherd_cli(env, "events", "machine-sim-node-0001", "--json", "--limit", "2")
+        assert code == 0, err
+        log = json.loads(out)
+        assert log["machine_id"] == str(record.machine_id)
+        assert [e["kind"] for e in log["events"]] == ["note", "agent_started"]
+        assert log["events"][0]["detail"] == "x" * 200
+
+        code, out, err = await shepherd_cli(env, "events", "node-0404")
+        assert (code, out) == (1, "") and err == f"shepherd events: no machine 'node-0404': {NOT_FOUND}\n"
+
+
+async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=3, max_machines=1) as stack:
+        env = stack.environment(bmdb_url)
+        code, out, err = await shepherd_cli(env, "fleet")
+        assert (code, out) == (1, "")
+        assert err == f"shepherd fleet: there is no fleet schedule 'shepherd-fleet' yet: {NO_SCHEDULE}\n"
+
+        await stack.run_pass()
+        # Someone else takes a machine behind Shepherd's back: the next pass is refused.
+        await stack.deps.provider("sim").create_machine("node-0002", "someone-else", stack.deps.ssh_public_key)
+        await ensure_fleet_schedule(temporal_client, stack.settings)
+        with pytest.raises(WorkflowFailureError):
+            await stack.run_pass()
+
+        code, out, err = await shepherd_cli(env, "fleet", "--passes", "2")
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].startswith("schedule shepherd-fleet: running, every 60s, next pass ")
+        assert lines[2].split()[2:] == ["refused", "3", "1", "0", "0", "0"]
+        assert lines[3].startswith("  why: refused: provider and BMDB disagree on 1 machine(s): node-0002")
+        assert lines[4].startswith("       ") and "BMDB has no record of it" in lines[4]
+        assert lines[5].split()[2:] == ["completed", "3", "0", "1", "0", "0"]
+        assert max(len(line) for line in lines) <= 80
+
+        code, out, err = await shepherd_cli(env, "fleet", "--pause", "--note", "rack maintenance", "--passes", "1")
+        assert code == 0, err
+        assert out.splitlines()[:2] == [
+            "paused the fleet schedule: no passes until `shepherd fleet --resume`",
+            "schedule shepherd-fleet: PAUSED (rack maintenance), every 60s",
+        ]
+        code, out, err = await shepherd_cli(env, "fleet", "--json", "--passes", "1")
+        facts = json.loads(out)
+        assert facts["schedule"]["paused"] is True and facts["schedule"]["note"] == "rack maintenance"
+        assert facts["passes"][0]["outcome"] == "refused" and facts["passes"][0]["result"]["plan"]["bmdb_count"] == 1
+
+        code, out, err = await shepherd_cli(env, "fleet", "--resume", "--passes", "1")
+        assert code == 0 and out.splitlines()[1].startswith("schedule shepherd-fleet: running")
+        code, out, err = await shepherd_cli(env, "fleet", "--trigger", "--passes", "3")
+        assert code == 0 and out.startswith("started a fleet pass now\n")
+
+
+@pytest.mark.parametrize(
+    "command, dead, setting",
+    [
+        (["machines"], "temporal", "temporal_address"),
+        (["machines"], "bmdb", "database_url"),
+        (["events", "node-0001"], "bmdb", "database_url"),
+        (["fleet"], "temporal", "temporal_address"),
+        (["recover", "machine-sim-node-0001", "--reason", "y"], "temporal", "temporal_address"),
+        (["recover", "node-0001", "--reason", "y"], "bmdb", "database_url"),
+    ],
+)
+async def test_unreachable_services_are_one_line_and_exit_1(
+    command, dead, setting, tmp_path, temporal_env, shepherd_cli
+):
+    temporal = temporal_env.client.service_client.config.target_host
+    env = {
+        "SHEPHERD_TEMPORAL_ADDRESS": "127.0.0.1:1" if dead == "temporal" else temporal,
+        "SHEPHERD_DATABASE_URL": f"postgresql://shepherd:pw@/bmdb?host={tmp_path}",
+    }
+    code, out, err = await shepherd_cli(env, *command)
+    assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"shepherd {command[0]}: ") and setting in err and "pw@" not in err
