@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from temporalio.client import (
     Client,
@@ -23,6 +23,7 @@ from temporalio.client import (
     ScheduleUpdate,
     ScheduleUpdateInput,
 )
+from temporalio.runtime import Runtime
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
@@ -35,11 +36,14 @@ from bmdb import migrate
 from bmdb.store import BMDB, BMDBUnavailable, redact_url
 from providers import Provider
 from providers.sim import SimProvider
+from shepherd.fleet_view import RUNNING_MACHINES
+from shepherd.logs import LogContextInterceptor
+from shepherd.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metrics_runtime
 from shepherd.settings import Settings, SettingsError
 from shepherd.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
-from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, SEARCH_ATTRIBUTES, FleetInput
+from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, SEARCH_ATTRIBUTES, FleetInput, MachineStage
 
 log = logging.getLogger("shepherd.worker")
 
@@ -48,9 +52,11 @@ class StartupError(Exception):
     """The worker cannot start; the message says which part and why."""
 
 
-async def connect_temporal(settings: Settings) -> Client:
+async def connect_temporal(settings: Settings, runtime: Runtime | None = None) -> Client:
     try:
-        return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        return await Client.connect(
+            settings.temporal_address, namespace=settings.temporal_namespace, runtime=runtime or Runtime.default()
+        )
     except Exception as error:
         raise StartupError(
             f"cannot reach Temporal at {settings.temporal_address} (setting temporal_address), "
@@ -150,6 +156,7 @@ def build_worker(client: Client, deps: ActivityDeps) -> Worker:
         client,
         task_queue=settings.task_queue,
         workflows=[FleetWorkflow, MachineWorkflow],
+        interceptors=[LogContextInterceptor()],
         activities=[
             fleet.plan_reconcile_pass,
             fleet.admit_machine,
@@ -208,11 +215,44 @@ async def ensure_fleet_schedule(client: Client, settings: Settings, *, trigger: 
         await handle.trigger(overlap=ScheduleOverlapPolicy.SKIP)
 
 
+async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event) -> None:
+    """Keep this worker's fleet gauges current: machines per stage, heartbeat age, silent machines.
+
+    Every worker reports the same numbers; dashboards take the max over workers.
+    """
+    settings = deps.settings
+    interval = min(settings.reconcile_interval, 30.0)
+    while not stop.is_set():
+        try:
+            for stage in MachineStage:
+                counted = await client.count_workflows(f'{RUNNING_MACHINES} AND MachineStage = "{stage.value}"')
+                deps.metrics.machines.set(counted.count, {"stage": stage.value})
+            deps.metrics.heartbeat_age_max.set(await deps.bmdb.oldest_heartbeat_age() or 0.0)
+            silent = await deps.bmdb.silent_machines(
+                settings.provider,
+                as_of=datetime.now(UTC),
+                first_heartbeat_within=settings.first_heartbeat_timeout,
+                heartbeat_within=settings.heartbeat_timeout,
+            )
+            deps.metrics.machines_silent.set(len(silent))
+        except Exception as error:  # a gauge a little stale beats a worker that stops
+            log.warning("fleet gauges not updated: %s", error)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except TimeoutError:
+            pass
+
+
 async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or stop is set), then hand back what is held and exit."""
-    client = await connect_temporal(settings)
+    try:
+        runtime = metrics_runtime(settings.metrics_listen, "worker")
+    except MetricsUnavailable as error:
+        raise StartupError(str(error)) from None
+    client = await connect_temporal(settings, runtime)
     await check_search_attributes(client, settings)
     deps = await build_deps(settings, client, database_url)
+    deps.metrics = WorkerMetrics.on(meter_of(runtime))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -221,7 +261,11 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
         await ensure_fleet_schedule(client, settings)
         worker = build_worker(client, deps)
         log.info("worker polling task queue %s at %s", settings.task_queue, settings.temporal_address)
-        async with worker:
+        if runtime is not None:
+            log.info("serving /metrics on %s", settings.metrics_listen)
+        async with worker, asyncio.TaskGroup() as observers:
+            if runtime is not None:
+                observers.create_task(observe_fleet(client, deps, stop))
             await stop.wait()
             log.info("stopping: letting running activities finish for up to %ss", settings.shutdown_grace)
     finally:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncssh
 from temporalio.client import Client
+from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
 
 from bmdb.store import BMDB
 from providers import Provider, ProviderError
+from shepherd.metrics import WorkerMetrics
 from shepherd.settings import Settings
 
 
@@ -29,6 +31,7 @@ class ActivityDeps:
     ssh_public_key: str
     agent_executable: bytes = b""
     ca_certificate: bytes = b""
+    metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics.on(MetricMeter.noop))
 
     def provider(self, name: str) -> Provider:
         try:

@@ -24,7 +24,13 @@ class RecoveryActivities:
         Run twice, it reboots twice: harmless for a machine being recovered,
         and the records are deleted either way.
         """
-        async with provider_errors():
-            await self.deps.provider(input.provider).reboot_machine(input.provider_id)
+        cause = input.cause.partition(":")[0].replace(" ", "_")  # heartbeat_lost or forced
+        try:
+            async with provider_errors():
+                await self.deps.provider(input.provider).reboot_machine(input.provider_id)
+        except Exception:
+            self.deps.metrics.reboots.add(1, {"cause": cause, "outcome": "error"})
+            raise
+        self.deps.metrics.reboots.add(1, {"cause": cause, "outcome": "ok"})
         await self.deps.bmdb.forget_agent(uuid.UUID(input.machine_id), f"rebooted: {input.cause}")
         log.info("rebooted %s machine %s: %s", input.provider, input.provider_id, input.cause)

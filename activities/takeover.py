@@ -69,6 +69,7 @@ class TakeoverActivities:
         try:
             result = await take_over(target, self.takeover_settings, self.deps.ssh_key)
         except TakeoverError as error:
+            self.deps.metrics.takeovers.add(1, {"outcome": error.failure.name.lower()})
             await self.deps.bmdb.add_event(machine_id, "agent_start_failed", str(error))
             # The workflow's back-off decides when to try again, as the seed's does.
             raise ApplicationError(str(error), type=error.failure.name, non_retryable=True) from error
@@ -77,6 +78,7 @@ class TakeoverActivities:
             await self.deps.bmdb.pin_host_key(machine_id, result.host_key)
         started_at = datetime.now(UTC)
         await self.deps.bmdb.record_agent_started(machine_id, started_at, result.agent_public_key)
+        self.deps.metrics.takeovers.add(1, {"outcome": "ok"})
         facts = _facts(started_at, result.agent_public_key, list(result.warnings))
         detail = f"agent key {facts.key_fingerprint}"
         if facts.warnings:

@@ -369,6 +369,13 @@ class BMDB:
                 for r in await conn.execute(query)
             ]
 
+    async def oldest_heartbeat_age(self) -> float | None:
+        """Seconds since the oldest last heartbeat of a running agent; None when no agent has sent one."""
+        query = select(func.max(func.extract("epoch", func.now() - machine_agent_heartbeat.c.agent_heartbeat_at)))
+        async with self.engine.connect() as conn:
+            age = await conn.scalar(query)
+            return None if age is None else float(age)
+
     async def forget_agent(self, machine_id: uuid.UUID, cause: str) -> None:
         """Delete the agent-started and heartbeat records after a reboot, logging the cause."""
         async with self.engine.begin() as conn:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 from temporalio.service import RPCError
 
 from bmdb.store import BMDBUnavailable
+from shepherd.logs import configure_logging
 from shepherd.settings import Settings, SettingsError, parse_duration
 
 EXIT_OK = 0
@@ -75,6 +75,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", dest="temporal_namespace", help="Temporal namespace")
     parser.add_argument("--database-url", help="BMDB URL; unset: a local PostgreSQL under --state-dir")
     parser.add_argument("--state-dir", type=Path, help="directory for local state (default .shepherd)")
+    parser.add_argument("--config", type=Path, help="TOML file of settings, below the environment (SHEPHERD_CONFIG)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
 
 
@@ -132,12 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--passes", type=_positive_int, default=5, help="how many recent passes to show (default 5)")
     fleet.add_argument("--json", action="store_true", help="JSON instead of the table")
 
+    config = commands.add_parser("config", help="the effective settings and where each comes from, secrets hidden")
+    _add_common(config)
+    config.add_argument("--json", action="store_true", help="JSON instead of TOML")
+
     sim = commands.add_parser("sim", help="run the fleet simulator (provider API and SSH machines)", add_help=False)
     sim.add_argument("sim_args", nargs=argparse.REMAINDER)
     return parser
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    return resolve_settings(args)[0].check()
+
+
+def resolve_settings(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
     overrides: dict[str, Any] = {}
     for name in (
         "temporal_address",
@@ -150,7 +159,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
-    return Settings.from_env(**overrides).check()
+    return Settings.resolve(config_path=getattr(args, "config", None), **overrides)
 
 
 @contextmanager
@@ -190,12 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except ValueError as error:
             parser.error(str(error))
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    for noisy in ("asyncssh", "aiohttp.access", "alembic", "pgserver"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging(verbose=args.verbose)
     try:
         return _run(args)
     except (SettingsError, CommandError) as error:
@@ -213,11 +217,14 @@ def _run(args: argparse.Namespace) -> int:
     from worker import StartupError
 
     settings = settings_from(args)
+    configure_logging(settings.log_format, verbose=args.verbose)
     try:
         if args.command == "dev":
             from shepherd.dev import run_dev
 
             return run_dev(settings, args.dev_options)
+        if args.command == "config":
+            return _config(args)
         if args.command == "migrate":
             return _migrate(settings)
         if args.command == "worker":
@@ -332,4 +339,13 @@ def _recover(settings: Settings, machine: str, reason: str) -> int:
             print(asyncio.run(recover(lambda: stack.enter_context(database(settings)))))
         except RecoverError as error:
             raise CommandError(str(error)) from None
+    return EXIT_OK
+
+
+def _config(args: argparse.Namespace) -> int:
+    from shepherd.settings import effective_settings
+
+    settings, sources = resolve_settings(args)
+    settings.check()
+    print(effective_settings(settings, sources, as_json=args.json), end="")
     return EXIT_OK

@@ -46,6 +46,8 @@ SIM_API_PORT = 8800
 # Where agents call back; the heartbeat server listens here.
 HEARTBEAT_PORT = 8900
 AGENT_ENDPOINT = f"127.0.0.1:{HEARTBEAT_PORT}"
+# Prometheus /metrics of each long-running child.
+METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
 
 
 # What the embedded stack keeps in the state dir, and --fresh deletes.
@@ -278,6 +280,7 @@ class DevStack:
             (TEMPORAL_UI_PORT, "Temporal UI"),
             (SIM_API_PORT, "simulator API"),
             (HEARTBEAT_PORT, "heartbeat server"),
+            *((port, f"{child} metrics") for child, port in METRICS_PORTS.items()),
         ):
             check_port_free(port, what)
         logs = self.state / "logs"
@@ -333,6 +336,10 @@ class DevStack:
                     str(SIM_API_PORT),
                     "--boot-seconds",
                     str(SIM_BOOT_SECONDS),
+                    "--metrics-listen",
+                    f"127.0.0.1:{METRICS_PORTS['simulator']}",
+                    "--log-format",
+                    settings.log_format,
                 ],
                 logs / "simulator.log",
             )
@@ -347,16 +354,25 @@ class DevStack:
                 "heartbeat-server",
                 [sys.executable, "-m", "shepherd", "heartbeat-server"],
                 logs / "heartbeat-server.log",
-                env=child_env,
+                env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['heartbeat-server']}"},
             )
         )
         self.say("starting the worker")
         self.children.append(
-            Child("worker", [sys.executable, "-m", "shepherd", "worker"], logs / "worker.log", env=child_env)
+            Child(
+                "worker",
+                [sys.executable, "-m", "shepherd", "worker"],
+                logs / "worker.log",
+                env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['worker']}"},
+            )
         )
         from worker import ensure_fleet_schedule
 
         await ensure_fleet_schedule(client, settings, trigger=True)
+        self.say(
+            "metrics: "
+            + ", ".join(f"http://127.0.0.1:{port}/metrics ({child})" for child, port in METRICS_PORTS.items())
+        )
         self.say(f"logs in {logs}; Ctrl-C stops everything")
         return client, database_url
 

@@ -24,10 +24,12 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from google.protobuf.message import DecodeError
 from sqlalchemy.exc import SQLAlchemyError
+from temporalio.common import MetricMeter
 
 from agent.heartbeat import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 from bmdb.store import BMDB
 from proto import agent_api_pb2
+from shepherd.metrics import meter_of, metrics_runtime
 from shepherd.settings import Settings
 
 log = logging.getLogger("shepherd.heartbeat")
@@ -50,22 +52,35 @@ def _reject(code: grpc.StatusCode, result: str, message: str) -> NoReturn:
 
 
 class HeartbeatService:
-    def __init__(self, bmdb: BMDB, *, interval: float, max_skew: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        bmdb: BMDB,
+        *,
+        interval: float,
+        max_skew: float,
+        clock: Callable[[], float] = time.time,
+        meter: MetricMeter = MetricMeter.noop,
+    ) -> None:
         self.bmdb = bmdb
         self.interval_ms = int(interval * 1000)
         self.max_skew_ms = int(max_skew * 1000)
         self.clock = clock
-        # Requests by result, for logs now and metrics later.
+        # Requests by result: in the log at shutdown and in /metrics.
         self.results: Counter[str] = Counter()
+        self._requests = meter.create_counter("shepherd_heartbeat_requests_total", "Heartbeat requests, by result")
+
+    def _count(self, result: str) -> None:
+        self.results[result] += 1
+        self._requests.add(1, {"result": result})
 
     async def handle(self, request_bytes: bytes, context: grpc.aio.ServicerContext) -> agent_api_pb2.HeartbeatResponse:
         try:
             response = await self.check_and_record(request_bytes)
         except HeartbeatRejected as rejection:
-            self.results[rejection.result] += 1
+            self._count(rejection.result)
             log.info("heartbeat rejected (%s) from %s", rejection.result, context.peer())
             await context.abort(rejection.code, str(rejection))
-        self.results["accepted"] += 1
+        self._count("accepted")
         return response
 
     async def check_and_record(self, request_bytes: bytes) -> agent_api_pb2.HeartbeatResponse:
@@ -140,12 +155,15 @@ async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: a
     """Serve heartbeats until SIGTERM/SIGINT (or stop is set)."""
     from worker import open_bmdb
 
+    runtime = metrics_runtime(settings.metrics_listen, "heartbeat-server")
     bmdb = await open_bmdb(database_url)
     tls = None
     if not settings.heartbeat_plaintext:
         assert settings.heartbeat_tls_certificate_path and settings.heartbeat_tls_key_path
         tls = (settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path)
-    service = HeartbeatService(bmdb, interval=settings.heartbeat_interval, max_skew=settings.heartbeat_max_skew)
+    service = HeartbeatService(
+        bmdb, interval=settings.heartbeat_interval, max_skew=settings.heartbeat_max_skew, meter=meter_of(runtime)
+    )
     server, port = build_server(service, settings.heartbeat_listen, tls)
     if port == 0:
         await bmdb.close()

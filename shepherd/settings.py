@@ -9,8 +9,10 @@ starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -231,10 +233,24 @@ class Settings:
         return self
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from ``SHEPHERD_<NAME>`` variables, then explicit overrides (CLI flags)."""
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, config_path: Path | None = None, **overrides: Any
+    ) -> Settings:
+        """Settings from the defaults, a TOML file, ``SHEPHERD_<NAME>`` variables and overrides (CLI flags)."""
+        return cls.resolve(environ, config_path=config_path, **overrides)[0]
+
+    @classmethod
+    def resolve(
+        cls, environ: Mapping[str, str] | None = None, *, config_path: Path | None = None, **overrides: Any
+    ) -> tuple[Settings, dict[str, str]]:
+        """The settings, and where each one that is not a default came from.
+
+        Later sources win: the TOML file (``--config``, or ``SHEPHERD_CONFIG``),
+        then environment variables, then explicit overrides.
+        """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         hints = get_type_hints(cls)
         known = {f.name for f in fields(cls)}
         for key in environ:
@@ -242,16 +258,60 @@ class Settings:
                 if key[len(ENV_PREFIX) :].lower() in _NON_SETTING_VARIABLES:
                     continue
                 raise SettingsError(key[len(ENV_PREFIX) :].lower(), "is not a setting Shepherd knows")
+        path = config_path or (Path(environ[CONFIG_VARIABLE]) if environ.get(CONFIG_VARIABLE) else None)
+        if path is not None:
+            for name, value in _read_config_file(path).items():
+                if name not in known:
+                    raise SettingsError(name, f"is not a setting Shepherd knows (in {path})")
+                f = next(f for f in fields(cls) if f.name == name)
+                values[name] = _from_toml(name, value, hints[name], bool(f.metadata.get("duration")), path)
+                sources[name] = f"file {path}"
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
             if raw is not None:
                 values[f.name] = _convert(f.name, raw, hints[f.name], bool(f.metadata.get("duration")))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+                sources[f.name] = f"environment {ENV_PREFIX}{f.name.upper()}"
+        for name, value in overrides.items():
+            if value is not None:
+                values[name] = value
+                sources[name] = "command line"
+        return cls(**values), sources
 
 
-# Variables with the prefix that belong to other parts (the agent, the simulator).
-_NON_SETTING_VARIABLES = frozenset({"agent_state_dir", "sim_machine_root"})
+# Variables with the prefix that belong to other parts (the agent, the simulator), and the file's path.
+CONFIG_VARIABLE = ENV_PREFIX + "CONFIG"
+_NON_SETTING_VARIABLES = frozenset({"agent_state_dir", "sim_machine_root", "config"})
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            document = tomllib.load(file)
+    except OSError as error:
+        raise SettingsError("config", f"cannot read {path}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise SettingsError("config", f"{path} is not valid TOML: {error}") from None
+    for name, value in document.items():
+        if isinstance(value, dict):
+            raise SettingsError(name, f"is a table in {path}; settings are plain keys, like temporal_address = ...")
+    return document
+
+
+def _from_toml(name: str, value: Any, hint: Any, duration: bool, path: Path) -> Any:
+    """A TOML value as the setting's type; strings are read as an environment variable would be."""
+    if isinstance(value, str):
+        return _convert(name, value, hint, duration)
+    arguments = [a for a in get_args(hint) if a is not type(None)]
+    target = arguments[0] if arguments else hint
+    fits = (
+        (target is bool and isinstance(value, bool))
+        or (target is int and isinstance(value, int) and not isinstance(value, bool))
+        or (target is float and isinstance(value, int | float) and not isinstance(value, bool))
+    )
+    if not fits:
+        expected = "a duration" if duration else getattr(target, "__name__", str(target))
+        raise SettingsError(name, f"must be {expected}, got {value!r} ({type(value).__name__}) in {path}")
+    return float(value) if target is float else value
 
 
 def _convert(name: str, raw: str, hint: Any, duration: bool) -> Any:
@@ -278,6 +338,36 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{text!r} is not true or false")
+
+
+def effective_settings(settings: Settings, sources: Mapping[str, str], *, as_json: bool = False) -> str:
+    """Every setting as TOML a config file can take back (or JSON), the database password hidden."""
+    from bmdb.store import redact_url
+
+    values: dict[str, Any] = {}
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if f.name == "database_url" and value:
+            value = redact_url(value)
+        values[f.name] = str(value) if isinstance(value, Path) else value
+    if as_json:
+        return json.dumps({"settings": values, "sources": dict(sources)}, indent=2) + "\n"
+    lines = []
+    for name, value in values.items():
+        source = sources.get(name, "default")
+        if value is None:
+            lines.append(f"# {name} is unset  ({source})")
+        else:
+            lines.append(f"{name} = {_toml_value(value)}  # {source}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
 
 
 def describe() -> list[tuple[str, str, str]]:

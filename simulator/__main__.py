@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
 
+from shepherd.logs import configure_logging
+from shepherd.metrics import meter_of, metrics_runtime
+from shepherd.settings import LOG_FORMATS, SettingsError, check_listen_address
 from simulator.server import Simulator
 from simulator.state import Faults, SimulatorConfig
 
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="machine whose SSH refuses connections ('*' for all); repeatable",
     )
     parser.add_argument("--exec-delay", type=float, default=0.0, help="seconds before an exec'd process starts")
+    parser.add_argument("--metrics-listen", default="", help="host:port to serve Prometheus /metrics on")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="log lines as text or json")
     return parser
 
 
@@ -54,8 +58,9 @@ def config_from(args: argparse.Namespace) -> SimulatorConfig:
     ).check()
 
 
-async def serve(config: SimulatorConfig) -> None:
-    simulator = Simulator(config)
+async def serve(config: SimulatorConfig, metrics_listen: str = "") -> None:
+    runtime = metrics_runtime(metrics_listen, "simulator", setting="--metrics-listen")
+    simulator = Simulator(config, meter_of(runtime))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -74,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from(args)
     except ValueError as error:
         parser.error(str(error))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("asyncssh").setLevel(logging.WARNING)
     try:
-        asyncio.run(serve(config))
+        if args.metrics_listen:
+            check_listen_address("metrics_listen", args.metrics_listen)
+    except SettingsError:
+        parser.error(f"--metrics-listen must be host:port, got {args.metrics_listen!r}")
+    configure_logging(args.log_format)
+    try:
+        asyncio.run(serve(config, args.metrics_listen))
     except OSError as error:
         print(f"shepherd sim: cannot start: {error}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncssh
 from aiohttp import web
+from temporalio.common import MetricMeter
 
 from simulator.machine import SimulatedMachine
 from simulator.state import FleetState, MachineRecord, SimulatorConfig
@@ -25,8 +26,16 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Simulator:
-    def __init__(self, config: SimulatorConfig) -> None:
+    def __init__(self, config: SimulatorConfig, meter: MetricMeter = MetricMeter.noop) -> None:
         self.config = config.check()
+        self._api_requests = meter.create_counter(
+            "shepherd_sim_api_requests_total", "Provider API requests, by method, route and status"
+        )
+        self._machines_gauge = meter.create_gauge("shepherd_sim_machines", "Simulated machines, by status")
+        self._reboots = meter.create_counter("shepherd_sim_reboots_total", "Reboots asked for through the API")
+        self._agent_kills = meter.create_counter(
+            "shepherd_sim_agent_kills_total", "Agents killed through the admin API"
+        )
         self.faults = config.faults
         self.slots = config.slot_ids()
         self.state_path = config.state_dir / "sim-state.json"
@@ -47,7 +56,7 @@ class Simulator:
         for record in self.state.machines.values():
             await self._bring_up(record)
         self._save()
-        app = web.Application(middlewares=[self._fault_middleware])
+        app = web.Application(middlewares=[self._metrics_middleware, self._fault_middleware])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -129,6 +138,24 @@ class Simulator:
     # --- HTTP ---------------------------------------------------------------
 
     @web.middleware
+    async def _metrics_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as error:
+            status = error.status
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unknown"
+            self._api_requests.add(1, {"method": request.method, "route": route, "status": str(status)})
+            for machine_status in ("active", "rebooting"):
+                count = sum(1 for m in self.machines.values() if m.status == machine_status)
+                self._machines_gauge.set(count, {"status": machine_status})
+
+    @web.middleware
     async def _fault_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
             log.info("%s %s", request.method, request.path)
@@ -191,6 +218,7 @@ class Simulator:
         machine = self.machines.get(slot)
         if machine is None:
             return _error(404, f"no machine {slot}")
+        self._reboots.add(1)
         await machine.reboot(self.config.boot_seconds, lambda: self.faults.refuses(slot))
         return web.json_response(self.view(slot), status=202)
 
@@ -210,7 +238,9 @@ class Simulator:
         machine = self.machines.get(request.match_info["id"])
         if machine is None:
             return _error(404, f"no machine {request.match_info['id']}")
-        return web.json_response({"killed": machine.kill_processes()})
+        killed = machine.kill_processes()
+        self._agent_kills.add(killed)
+        return web.json_response({"killed": killed})
 
     async def _admin_faults(self, request: web.Request) -> web.Response:
         try:

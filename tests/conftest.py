@@ -7,6 +7,7 @@ migrated template, so tests never see each other's rows.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -127,7 +128,14 @@ def shepherd_cli(monkeypatch, capsys):
     async def run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        code = await asyncio.to_thread(cli.main, list(args))
+        # The command sets up logging on this test's captured stderr; later tests must not write to it.
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        try:
+            code = await asyncio.to_thread(cli.main, list(args))
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
         out, err = capsys.readouterr()
         return code, out, err
 

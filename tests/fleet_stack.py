@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 from temporalio.client import Client, WorkflowHandle
+from temporalio.common import MetricMeter
 from temporalio.worker import Worker
 
 from activities.deps import ActivityDeps
@@ -128,10 +129,12 @@ async def fleet_stack(
     run_worker: bool = True,
     heartbeats: bool = False,
     sim_faults: Faults | None = None,
+    sim_meter: MetricMeter = MetricMeter.noop,
     **setting_overrides: Any,
 ) -> AsyncIterator[FleetStack]:
     simulator = Simulator(
-        SimulatorConfig(machines=machines, state_dir=tmp_path / "sim", api_port=0, faults=sim_faults or Faults())
+        SimulatorConfig(machines=machines, state_dir=tmp_path / "sim", api_port=0, faults=sim_faults or Faults()),
+        sim_meter,
     )
     await simulator.start()
     heartbeat_server = heartbeat_bmdb = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 
@@ -41,6 +42,9 @@ def agent_env(tmp_path) -> dict[str, str]:
         ({"SHEPHERD_SSH_CONNECT_TIMEOUT": "0"}, "ssh_connect_timeout"),
         ({"SHEPHERD_SSH_EXEC_TIMEOUT": "-1"}, "ssh_exec_timeout"),
         ({"SHEPHERD_DATABASE_URL": "sqlite:///x"}, "database_url"),
+        ({"SHEPHERD_METRICS_LISTEN": "9464"}, "metrics_listen"),
+        ({"SHEPHERD_METRICS_LISTEN": "0.0.0.0:99999"}, "metrics_listen"),
+        ({"SHEPHERD_LOG_FORMAT": "xml"}, "log_format"),
     ],
 )
 def test_worker_refuses_bad_settings_naming_them(agent_env, changes, setting):
@@ -89,6 +93,16 @@ async def test_worker_refuses_a_namespace_without_the_search_attributes(agent_en
     assert f"temporal operator search-attribute create --namespace {bare} --name MachineId --type Keyword" in (
         result.stderr
     )
+
+
+def test_worker_refuses_a_metrics_port_in_use(agent_env):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = shepherd("worker", env={**agent_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{port}"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"cannot serve /metrics on 127.0.0.1:{port} (setting metrics_listen)" in result.stderr
 
 
 def test_worker_refuses_an_unreachable_database(agent_env, temporal_env, tmp_path):
@@ -171,3 +185,22 @@ def test_dev_brings_a_fleet_up_recovers_it_from_chaos_and_stops_everything(tmp_p
     )
     assert again.returncode == 1
     assert "machines reached WATCHING within" in again.stderr
+
+
+def test_config_prints_the_effective_settings_with_the_password_hidden(tmp_path):
+    config = tmp_path / "shepherd.toml"
+    config.write_text('max_machines = 7\ndatabase_url = "postgresql://shepherd:hunter2@db.example.net/bmdb"\n')
+    result = shepherd("config", "--config", str(config), env={**os.environ, "SHEPHERD_CHUNK_SIZE": "3"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"max_machines = 7  # file {config}" in lines
+    assert "chunk_size = 3  # environment SHEPHERD_CHUNK_SIZE" in lines
+    assert 'temporal_namespace = "default"  # default' in lines
+    assert f'database_url = "postgresql://shepherd:***@db.example.net/bmdb"  # file {config}' in lines
+    assert "hunter2" not in result.stdout + result.stderr
+
+    config.write_text("max_machine = 7\n")
+    refused = shepherd("config", "--config", str(config))
+    assert refused.returncode == 2 and refused.stdout == ""
+    unknown = "setting max_machine (SHEPHERD_MAX_MACHINE): is not a setting Shepherd knows"
+    assert refused.stderr == f"shepherd config: {unknown} (in {config})\n"

@@ -79,3 +79,56 @@ def test_agent_settings_are_required_by_a_worker(tmp_path):
         ).check_agent()
     ok = Settings.from_env({"SHEPHERD_AGENT_EXECUTABLE_PATH": str(agent), "SHEPHERD_AGENT_ENDPOINT": "h:443"})
     assert ok.check_agent() is ok
+
+
+def test_a_toml_file_sits_below_the_environment_and_flags(tmp_path):
+    config = tmp_path / "shepherd.toml"
+    config.write_text(
+        'temporal_address = "temporal.example.net:7233"\nmax_machines = 7\nreconcile_interval = "2m"\n'
+        "heartbeat_timeout = 90\nheartbeat_plaintext = true\nchunk_size = 5\nstate_dir = '/var/lib/shepherd'\n"
+    )
+    settings, sources = Settings.resolve(
+        {"SHEPHERD_CHUNK_SIZE": "3", "SHEPHERD_CONFIG": str(config)}, task_queue="fleet-a"
+    )
+    settings.check()
+    assert settings.temporal_address == "temporal.example.net:7233" and settings.max_machines == 7
+    assert settings.reconcile_interval == 120.0 and settings.heartbeat_timeout == 90.0
+    assert settings.heartbeat_plaintext is True and settings.state_dir == Path("/var/lib/shepherd")
+    assert settings.chunk_size == 3 and settings.task_queue == "fleet-a"
+    assert sources["max_machines"] == f"file {config}"
+    assert sources["chunk_size"] == "environment SHEPHERD_CHUNK_SIZE" and sources["task_queue"] == "command line"
+    assert "temporal_namespace" not in sources
+
+
+@pytest.mark.parametrize(
+    "text, setting, problem",
+    [
+        ("max_machine = 7\n", "max_machine", "is not a setting Shepherd knows (in "),
+        ('max_machines = "seven"\n', "max_machines", "cannot use 'seven'"),
+        ("max_machines = 7.5\n", "max_machines", "must be int, got 7.5 (float)"),
+        ("heartbeat_plaintext = 1\n", "heartbeat_plaintext", "must be bool, got 1 (int)"),
+        ("reconcile_interval = true\n", "reconcile_interval", "must be a duration, got True (bool)"),
+        ('reconcile_interval = "soon"\n', "reconcile_interval", "'soon' is not a duration"),
+        ("[temporal]\naddress = 'x'\n", "temporal", "is a table in"),
+        ("max_machines = \n", "config", "is not valid TOML"),
+    ],
+)
+def test_a_bad_toml_file_is_refused_naming_the_setting(tmp_path, text, setting, problem):
+    config = tmp_path / "shepherd.toml"
+    config.write_text(text)
+    with pytest.raises(SettingsError) as caught:
+        Settings.resolve({}, config_path=config)
+    assert caught.value.setting == setting and problem in str(caught.value)
+
+
+def test_out_of_range_values_from_a_file_are_refused_at_check(tmp_path):
+    config = tmp_path / "shepherd.toml"
+    config.write_text("chunk_size = 0\n")
+    with pytest.raises(SettingsError, match="setting chunk_size"):
+        Settings.from_env({}, config_path=config).check()
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(SettingsError) as caught:
+        Settings.resolve({"SHEPHERD_CONFIG": str(tmp_path / "nope.toml")})
+    assert caught.value.setting == "config" and f"cannot read {tmp_path / 'nope.toml'}" in str(caught.value)

@@ -83,16 +83,33 @@ class FleetWorkflow:
             )
         except ActivityError as error:
             result.error = describe_failure(error)
+            self._count_pass("failed")
             # The pass result rides along as the failure's detail, for `shepherd fleet`.
             raise ApplicationError(f"reconcile pass failed: {result.error}", result, non_retryable=True) from error
         if plan.refused:
             # Failing the run makes the refusal stand out in the UI's list; the
             # next scheduled pass looks again.
             result.error = plan.note
+            self._count_pass("refused")
             raise ApplicationError(
                 f"{plan.note}: {'; '.join(plan.disagreements)}", result, type="ReconcileRefused", non_retryable=True
             )
+        self._count_pass("completed")
         return result
+
+    def _count_pass(self, outcome: str) -> None:
+        # The SDK's workflow meter records nothing while a history replays.
+        meter = workflow.metric_meter()
+        meter.create_counter("shepherd_reconcile_passes_total", "Fleet reconcile passes, by outcome").add(
+            1, {"outcome": outcome}
+        )
+        if self._result is not None:
+            meter.create_counter("shepherd_machines_admitted_total", "Machines brought under management").add(
+                len(self._result.admitted)
+            )
+            meter.create_counter(
+                "shepherd_silent_machines_signalled_total", "heartbeat_lost signals sent by the watchdog"
+            ).add(len(self._result.silent))
 
     @workflow.query
     def status(self) -> FleetPassResult | None:

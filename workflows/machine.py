@@ -76,6 +76,11 @@ class MachineWorkflow:
     # is applied, not dropped.
     @workflow.init
     def __init__(self, input: MachineInput) -> None:
+        self._log_fields = {
+            "machine_id": input.machine_id,
+            "provider": input.provider,
+            "provider_id": input.provider_id,
+        }
         self._status = MachineStatus(
             machine_id=input.machine_id,
             provider=input.provider,
@@ -140,7 +145,7 @@ class MachineWorkflow:
         means "recover", where a typed handler would make the SDK drop the signal.
         """
         if name != FORCE_RECOVER_SIGNAL:
-            workflow.logger.warning("ignoring unknown signal %r", name)
+            workflow.logger.warning("ignoring unknown signal %r", name, extra=self._log_fields)
             return
         request: Any = None
         if arguments:
@@ -159,10 +164,10 @@ class MachineWorkflow:
         status = self._status
         if status.recovery_requested is not None or status.stage is MachineStage.RECOVERING:
             status.recovery_requests_coalesced += 1
-            workflow.logger.info("recovery already under way; coalesced: %s", reason)
+            workflow.logger.info("recovery already under way; coalesced: %s", reason, extra=self._log_fields)
             return
         status.recovery_requested = reason
-        workflow.logger.info("recovery requested: %s", reason)
+        workflow.logger.info("recovery requested: %s", reason, extra=self._log_fields)
         self._show_details()
 
     @workflow.query
@@ -220,6 +225,7 @@ class MachineWorkflow:
                     self._status.attempts,
                     delay,
                     self._status.last_error,
+                    extra=self._log_fields,
                 )
                 await workflow.sleep(delay)
                 continue

@@ -1,0 +1,107 @@
+"""Log lines: one per event, with the machine and workflow it concerns as fields; JSON when asked.
+
+Fields come from, in order of precedence: the logging call's ``extra``, the
+activity's input (set by ``LogContextInterceptor`` for the activity's
+duration), and the Temporal workflow or activity the line was logged in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import Any
+
+from temporalio import activity, workflow
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+)
+
+FIELDS = ("machine_id", "provider", "provider_id", "workflow_id")
+NOISY_LOGGERS = ("asyncssh", "aiohttp.access", "alembic", "pgserver")
+
+_machine_context: ContextVar[dict[str, str] | None] = ContextVar("shepherd_machine_context", default=None)
+
+
+class ContextFilter(logging.Filter):
+    """Puts the FIELDS on every record that has them to give."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found: dict[str, str] = {}
+        temporal = getattr(record, "temporal_workflow", None) or getattr(record, "temporal_activity", None)
+        if isinstance(temporal, dict) and temporal.get("workflow_id"):
+            found["workflow_id"] = str(temporal["workflow_id"])
+        found.update(_machine_context.get() or {})
+        for name in FIELDS:
+            value = getattr(record, name, None) or found.get(name)
+            setattr(record, name, value)
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = " ".join(f"{name}={getattr(record, name)}" for name in FIELDS if getattr(record, name, None))
+        if not fields:
+            return line
+        head, newline, rest = line.partition("\n")  # keep a traceback below the fields
+        return f"{head} [{fields}]{newline}{rest}"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update({name: getattr(record, name) for name in FIELDS if getattr(record, name, None)})
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(log_format: str = "text", *, verbose: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(ContextFilter())
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The fields carry what the SDK would otherwise append to every message as a dict.
+    workflow.logger.workflow_info_on_message = False
+    activity.logger.activity_info_on_message = False
+
+
+class LogContextInterceptor(Interceptor):
+    """Gives every log line of an activity the machine its input names."""
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _ActivityLogContext(next)
+
+
+class _ActivityLogContext(ActivityInboundInterceptor):
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        fields = {"workflow_id": activity.info().workflow_id or ""}
+        if input.args:
+            for name in ("machine_id", "provider", "provider_id"):
+                value = getattr(input.args[0], name, None)
+                if isinstance(value, str) and value:
+                    fields[name] = value
+        token = _machine_context.set(fields)
+        try:
+            return await super().execute_activity(input)
+        finally:
+            _machine_context.reset(token)
