@@ -1,0 +1,554 @@
+"""The files in deploy/ agree with the code: settings, commands, ports and search attributes.
+
+Nothing here is run: the files are parsed and every setting, command line and port they name is checked against
+Shepherd's own settings and argument parser, so a renamed setting or flag fails here instead of in a deployment.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from shepherd.cli import build_parser
+from shepherd.settings import _NON_SETTING_VARIABLES, Settings, SettingsError, describe, parse_duration
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+IMAGE = "shepherd"
+# What the workflows set, written out here rather than imported, so a change in the code must be matched here.
+SEARCH_ATTRIBUTES = {"MachineStage", "Provider", "ProviderId", "MachineId"}
+SEARCH_ATTRIBUTE_TYPE = "Keyword"
+DEFAULT_HEARTBEAT_LISTEN = "0.0.0.0:8900"
+# The files each command reads or keeps (Settings attributes); the worker's SSH key must outlive the container.
+PATHS_USED = {
+    "worker": ("agent_executable_path", "agent_endpoint_ca_certificate_path", "effective_ssh_key_path"),
+    "heartbeat-server": ("heartbeat_tls_certificate_path", "heartbeat_tls_key_path"),
+}
+# Kubernetes' default terminationGracePeriodSeconds.
+DEFAULT_KUBERNETES_GRACE = 30.0
+
+VARIABLE_RE = re.compile(r"\bSHEPHERD_[A-Z0-9_]+\*?")
+ASSIGNMENT_RE = re.compile(r"^(SHEPHERD_[A-Z0-9_]+)=(.*)$")
+CODE_BLOCK_RE = re.compile(r"^```[a-z]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SHELL_OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def deploy_files() -> list[Path]:
+    return sorted(path for path in DEPLOY.rglob("*") if path.is_file())
+
+
+def yaml_files() -> list[Path]:
+    return [path for path in deploy_files() if path.suffix in (".yml", ".yaml")]
+
+
+def yaml_documents(path: Path) -> list[Any]:
+    return [document for document in yaml.safe_load_all(path.read_text()) if document is not None]
+
+
+def kubernetes_objects() -> list[tuple[Path, dict[str, Any]]]:
+    return [
+        (path, document)
+        for path in yaml_files()
+        if path.parent.name == "kubernetes"
+        for document in yaml_documents(path)
+        if "apiVersion" in document and document.get("kind") != "Kustomization"
+    ]
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines, as Compose and systemd read them (no quoting is used in these files)."""
+    variables = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{rel(path)}: {line!r} is not KEY=VALUE"
+            variables[key] = value
+    return variables
+
+
+def shell_commands(script: str) -> list[list[str]]:
+    """The simple commands of a shell script: each one's words, split at operators, comments dropped."""
+    lexer = shlex.shlex(script.replace("\\\n", " "), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in SHELL_OPERATORS or "\n" in token:
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [command for command in commands if command]
+
+
+def script_lines(script: str) -> list[list[str]]:
+    """Like shell_commands, but line by line, so a command never runs into the next line's."""
+    return [command for line in script.replace("\\\n", " ").splitlines() for command in shell_commands(line)]
+
+
+def shepherd_argv(words: list[str]) -> list[str] | None:
+    """The arguments given to `shepherd` by one command line, or None if it does not run shepherd."""
+    while words and ASSIGNMENT_RE.match(words[0]):
+        words = words[1:]
+    if words and PurePosixPath(words[0]).name == IMAGE:
+        return words[1:]
+    # kubectl exec POD -- shepherd ...
+    if "--" in words:
+        rest = words[words.index("--") + 1 :]
+        if rest and PurePosixPath(rest[0]).name == IMAGE:
+            return rest[1:]
+    return None
+
+
+def assignment(word: str) -> tuple[str, str]:
+    name, _, value = word.partition("=")
+    return name, value
+
+
+def readme_blocks(path: Path) -> list[str]:
+    return CODE_BLOCK_RE.findall(path.read_text())
+
+
+def is_shepherd_image(image: str | None) -> bool:
+    return image is not None and image.rsplit("/", 1)[-1].split(":")[0] == IMAGE
+
+
+def port_of(address: str) -> int | None:
+    """The port of host:port; None for a malformed address, which the settings check reports."""
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() else None
+
+
+@dataclass
+class Dockerfile:
+    env: dict[str, str]
+    entrypoint: list[str]
+    # Paths the image itself provides, so settings may point there without a mount.
+    paths: list[str]
+
+
+def dockerfile() -> Dockerfile:
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    final_stage = text.split("\nFROM ")[-1]
+    env: dict[str, str] = {}
+    entrypoint: list[str] = []
+    paths: list[str] = []
+    for line in final_stage.splitlines():
+        instruction, _, rest = line.strip().partition(" ")
+        if instruction == "ENV":
+            env.update(assignment(word) for word in shlex.split(rest))
+        elif instruction == "ENTRYPOINT":
+            entrypoint = json.loads(rest)
+    paths += re.findall(r"-m agent\.build (\S+)", text)
+    return Dockerfile(env, entrypoint, paths)
+
+
+@dataclass
+class Process:
+    """One shepherd process a deploy file starts, as that file declares it."""
+
+    where: str
+    argv: list[str]
+    env: dict[str, str]
+    # Declared container ports; None on a plain host, where nothing declares them.
+    ports: set[int] | None = None
+    mounts: list[str] = field(default_factory=list)
+    stop_grace: float | None = None
+
+    @property
+    def command(self) -> str:
+        return self.argv[0] if self.argv else ""
+
+
+def compose_processes() -> list[Process]:
+    path = DEPLOY / "docker-compose.yml"
+    (compose,) = yaml_documents(path)
+    image = dockerfile()
+    processes = []
+    for name, service in compose["services"].items():
+        if not is_shepherd_image(service.get("image")):
+            continue
+        where = f"{rel(path)} service {name}"
+        assert "entrypoint" not in service, f"{where}: overrides the image's entrypoint"
+        command = service.get("command", [])
+        argv = shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
+        env = dict(image.env)
+        env_files = service.get("env_file", [])
+        for entry in [env_files] if isinstance(env_files, str | dict) else env_files:
+            env.update(env_file(path.parent / (entry["path"] if isinstance(entry, dict) else entry)))
+        environment = service.get("environment", {})
+        if isinstance(environment, list):
+            environment = dict(item.split("=", 1) for item in environment)
+        env.update({key: str(value) for key, value in environment.items()})
+        ports = {int(str(port).rpartition(":")[2].split("/")[0]) for port in service.get("expose", [])}
+        for port in service.get("ports", []):
+            ports.add(
+                int(port["target"]) if isinstance(port, dict) else int(str(port).rpartition(":")[2].split("/")[0])
+            )
+        mounts = [
+            volume.split(":")[1] if isinstance(volume, str) else volume["target"]
+            for volume in service.get("volumes", [])
+        ]
+        # Compose's default stop_grace_period.
+        grace = parse_duration(str(service.get("stop_grace_period", "10s")))
+        processes.append(Process(where, argv, env, ports, mounts + image.paths, grace))
+    return processes
+
+
+def kubernetes_env_sources() -> dict[tuple[str, str], tuple[Path, dict[str, str]]]:
+    """(kind, name) -> (file, data) of every ConfigMap and Secret in deploy/kubernetes."""
+    sources = {}
+    for path, document in kubernetes_objects():
+        if document["kind"] == "ConfigMap":
+            data = {key: str(value) for key, value in document.get("data", {}).items()}
+        elif document["kind"] == "Secret":
+            data = {key: base64.b64decode(value).decode() for key, value in document.get("data", {}).items()}
+            data.update({key: str(value) for key, value in document.get("stringData", {}).items()})
+        else:
+            continue
+        sources[document["kind"], document["metadata"]["name"]] = (path, data)
+    return sources
+
+
+def pod_specs() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(where, pod template metadata, pod spec) of every workload."""
+    specs = []
+    for path, document in kubernetes_objects():
+        template = document.get("spec", {}).get("template")
+        if template is not None:
+            where = f"{rel(path)} {document['kind']} {document['metadata']['name']}"
+            specs.append((where, template.get("metadata", {}), template["spec"]))
+    return specs
+
+
+def kubernetes_processes() -> list[Process]:
+    sources = kubernetes_env_sources()
+    image = dockerfile()
+    processes = []
+    for where, _, spec in pod_specs():
+        grace = float(spec.get("terminationGracePeriodSeconds", DEFAULT_KUBERNETES_GRACE))
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            if not is_shepherd_image(container.get("image")):
+                continue
+            container_where = f"{where} container {container['name']}"
+            command = container.get("command")
+            if command is None:
+                argv = [str(word) for word in image.entrypoint[1:] + container.get("args", [])]
+            elif PurePosixPath(command[0]).name == IMAGE:
+                argv = [str(word) for word in command[1:] + container.get("args", [])]
+            else:
+                continue  # the image used for another tool (an init container's install)
+            env = dict(image.env)
+            for source in container.get("envFrom", []):
+                for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
+                    if key in source:
+                        name = source[key]["name"]
+                        assert (kind, name) in sources, f"{container_where}: no {kind} {name} in deploy/kubernetes"
+                        env.update(sources[kind, name][1])
+            env.update({item["name"]: str(item["value"]) for item in container.get("env", []) if "value" in item})
+            ports = {int(port["containerPort"]) for port in container.get("ports", [])}
+            mounts = [mount["mountPath"] for mount in container.get("volumeMounts", [])]
+            processes.append(Process(container_where, argv, env, ports, mounts + image.paths, grace))
+    return processes
+
+
+@dataclass
+class Unit:
+    path: Path
+    directives: dict[str, list[str]]
+
+
+def systemd_units() -> list[Unit]:
+    units = []
+    for path in sorted((DEPLOY / "systemd").glob("*.service")):
+        directives: dict[str, list[str]] = {}
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith(("#", ";", "[")):
+                key, _, value = line.partition("=")
+                directives.setdefault(key.strip(), []).append(value.strip())
+        units.append(Unit(path, directives))
+    return units
+
+
+def unit_env(unit: Unit) -> dict[str, str]:
+    """The unit's environment, with each EnvironmentFile= read from its committed example beside the unit."""
+    env: dict[str, str] = {}
+    for assignments in unit.directives.get("Environment", []):
+        env.update(assignment(word) for word in shlex.split(assignments))
+    # systemd lets EnvironmentFile= override Environment=.
+    for name in unit.directives.get("EnvironmentFile", []):
+        example = unit.path.parent / (PurePosixPath(name.lstrip("-")).name + ".example")
+        assert example.is_file(), f"{rel(unit.path)}: EnvironmentFile={name} has no example {rel(example)}"
+        env.update(env_file(example))
+    return env
+
+
+def unit_exec_lines(unit: Unit) -> list[list[str]]:
+    return [
+        shlex.split(line.lstrip("@-:+!"))
+        for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload")
+        for line in unit.directives.get(key, [])
+    ]
+
+
+def systemd_processes() -> list[Process]:
+    processes = []
+    for unit in systemd_units():
+        for line in unit.directives.get("ExecStart", []):
+            argv = shepherd_argv(shlex.split(line.lstrip("@-:+!")))
+            if argv is not None:
+                # systemd's default TimeoutStopSec.
+                grace = parse_duration(unit.directives.get("TimeoutStopSec", ["90"])[-1])
+                processes.append(Process(rel(unit.path), argv, unit_env(unit), stop_grace=grace))
+    return processes
+
+
+def all_processes() -> list[Process]:
+    return compose_processes() + kubernetes_processes() + systemd_processes()
+
+
+def readme_env_blocks() -> list[tuple[str, dict[str, str]]]:
+    """(where, variables) of every README code block that assigns SHEPHERD_* variables."""
+    blocks = []
+    for index, block in enumerate(readme_blocks(DEPLOY / "README.md"), 1):
+        env = {}
+        for words in script_lines(block):
+            for word in words:
+                if match := ASSIGNMENT_RE.match(word):
+                    env[match.group(1)] = match.group(2)
+        if env:
+            blocks.append((f"deploy/README.md code block {index}", env))
+    return blocks
+
+
+def listen_port(process: Process, setting: str, default: str | None) -> int | None:
+    value = process.env.get(setting, default)
+    return port_of(value) if value else None
+
+
+def heartbeat_address(process: Process) -> str:
+    args = build_parser().parse_args(process.argv)
+    return args.heartbeat_listen or process.env.get("SHEPHERD_HEARTBEAT_LISTEN", DEFAULT_HEARTBEAT_LISTEN)
+
+
+# The checks
+
+
+def test_the_deploy_files_are_found():
+    """Guards every other test against passing on nothing."""
+    commands = {(process.where.split()[0], process.command) for process in all_processes()}
+    assert {
+        ("deploy/docker-compose.yml", "migrate"),
+        ("deploy/docker-compose.yml", "worker"),
+        ("deploy/docker-compose.yml", "heartbeat-server"),
+        ("deploy/kubernetes/migrate-job.yaml", "migrate"),
+        ("deploy/kubernetes/worker.yaml", "worker"),
+        ("deploy/kubernetes/heartbeat-server.yaml", "heartbeat-server"),
+        ("deploy/systemd/shepherd-worker.service", "worker"),
+        ("deploy/systemd/shepherd-heartbeat-server.service", "heartbeat-server"),
+    } <= commands
+    assert dockerfile().entrypoint == [IMAGE], "deploy/Dockerfile: the entrypoint must be the shepherd command"
+
+
+def test_every_variable_is_a_setting():
+    known = {name for name, _, _ in describe()} | {f"SHEPHERD_{name.upper()}" for name in _NON_SETTING_VARIABLES}
+    problems = []
+    for path in deploy_files():
+        for name in sorted(set(VARIABLE_RE.findall(path.read_text()))):
+            # A name ending in * (SHEPHERD_HEARTBEAT_*) stands for a group of settings.
+            if name.endswith("*") and not any(setting.startswith(name[:-1]) for setting in known):
+                problems.append(f"{rel(path)}: no setting starts with {name[:-1]}")
+            elif not name.endswith("*") and name not in known:
+                problems.append(f"{rel(path)}: {name} is not a Shepherd setting")
+    assert not problems, "\n".join(problems)
+
+
+def shepherd_command_lines() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every shepherd command line in deploy/."""
+    lines = [(process.where, process.argv) for process in compose_processes() + kubernetes_processes()]
+    for unit in systemd_units():
+        for words in unit_exec_lines(unit):
+            argv = shepherd_argv(words)
+            if argv is not None:
+                lines.append((rel(unit.path), argv))
+    for path in DEPLOY.rglob("README*.md"):
+        for block in readme_blocks(path):
+            for words in script_lines(block):
+                argv = shepherd_argv(words)
+                if argv is not None:
+                    lines.append((rel(path), argv))
+    return lines
+
+
+def test_every_shepherd_command_parses(capsys: pytest.CaptureFixture[str]):
+    parser = build_parser()
+    problems = []
+    for where, argv in shepherd_command_lines():
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            error = capsys.readouterr().err.strip().splitlines()
+            problems.append(f"{where}: `shepherd {shlex.join(argv)}` is refused: {error[-1] if error else ''}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_setting_value_is_accepted():
+    units = [(process.where, process.env) for process in all_processes()] + readme_env_blocks()
+    units += [(rel(path), env_file(path)) for path in deploy_files() if path.name.endswith((".env", ".env.example"))]
+    units += [(f"{rel(path)} {kind} {name}", data) for (kind, name), (path, data) in kubernetes_env_sources().items()]
+    problems = []
+    for where, env in units:
+        try:
+            # Paths point into a container or host, not here: check() is what holds for every process.
+            Settings.from_env(env).check()
+        except SettingsError as error:
+            problems.append(f"{where}: {error}")
+    assert not problems, "\n".join(problems)
+
+
+def test_path_settings_point_into_the_container():
+    """The files a container reads or keeps lie in a volume it mounts, or in the image."""
+    problems = []
+    for process in compose_processes() + kubernetes_processes():
+        settings = Settings.from_env(process.env)
+        for name in PATHS_USED.get(process.command, ()):
+            value = getattr(settings, name)
+            if value is not None and not any(value.is_relative_to(mount) for mount in process.mounts):
+                problems.append(f"{process.where}: {name} {value} is in no volume it mounts, nor in the image")
+    assert not problems, "\n".join(problems)
+
+
+def test_listen_ports_are_declared():
+    problems = []
+    for process in compose_processes() + kubernetes_processes():
+        assert process.ports is not None
+        wanted = {"SHEPHERD_METRICS_LISTEN": listen_port(process, "SHEPHERD_METRICS_LISTEN", None)}
+        if process.command == "heartbeat-server":
+            wanted["SHEPHERD_HEARTBEAT_LISTEN"] = port_of(heartbeat_address(process))
+        for setting, port in wanted.items():
+            if port is not None and port not in process.ports:
+                problems.append(
+                    f"{process.where}: {setting} port {port} is not among its declared ports {sorted(process.ports)}"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_systemd_units_on_one_host_use_different_ports():
+    taken: dict[int, str] = {}
+    problems = []
+    for process in systemd_processes():
+        ports = {listen_port(process, "SHEPHERD_METRICS_LISTEN", None)}
+        if process.command == "heartbeat-server":
+            ports.add(port_of(heartbeat_address(process)))
+        for port in ports - {None}:
+            assert port is not None
+            if port in taken:
+                problems.append(f"{process.where}: port {port} is also taken by {taken[port]}")
+            taken[port] = process.where
+    assert not problems, "\n".join(problems)
+
+
+def test_prometheus_annotations_name_the_metrics_port():
+    processes = {process.where.rsplit(" container ", 1)[0]: process for process in kubernetes_processes()}
+    problems = []
+    for where, metadata, _ in pod_specs():
+        annotations = metadata.get("annotations", {})
+        if "prometheus.io/port" not in annotations or where not in processes:
+            continue
+        metrics = listen_port(processes[where], "SHEPHERD_METRICS_LISTEN", None)
+        if str(metrics) != annotations["prometheus.io/port"]:
+            problems.append(f"{where}: prometheus.io/port {annotations['prometheus.io/port']} but metrics on {metrics}")
+    assert not problems, "\n".join(problems)
+
+
+def test_service_target_ports_exist():
+    pods = pod_specs()
+    problems = []
+    for path, document in kubernetes_objects():
+        if document["kind"] != "Service":
+            continue
+        where = f"{rel(path)} Service {document['metadata']['name']}"
+        selector = document["spec"]["selector"]
+        selected = [spec for _, metadata, spec in pods if selector.items() <= metadata.get("labels", {}).items()]
+        if not selected:
+            problems.append(f"{where}: its selector {selector} selects no pod in deploy/kubernetes")
+        for port in document["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for spec in selected:
+                declared = [item for container in spec["containers"] for item in container.get("ports", [])]
+                if not any(target in (item["containerPort"], item.get("name")) for item in declared):
+                    problems.append(f"{where}: targetPort {target} is no containerPort of the pods it selects")
+    assert not problems, "\n".join(problems)
+
+
+def test_workers_stop_within_their_grace():
+    problems = []
+    for process in all_processes():
+        if process.command != "worker":
+            continue
+        shutdown_grace = Settings.from_env(process.env).shutdown_grace
+        if process.stop_grace is None or process.stop_grace <= shutdown_grace:
+            problems.append(
+                f"{process.where}: killed after {process.stop_grace}s, "
+                f"not above SHEPHERD_SHUTDOWN_GRACE ({shutdown_grace}s) for running activities to finish"
+            )
+    assert not problems, "\n".join(problems)
+
+
+def test_search_attributes_are_registered():
+    registrations: dict[Path, dict[str, list[str]]] = {}
+    for path in deploy_files():
+        # A README's prose need not be valid shell, only its code blocks.
+        text = "\n".join(readme_blocks(path)) if path.suffix == ".md" else path.read_text()
+        lines = [line for line in text.replace("\\\n", " ").splitlines() if "search-attribute" in line]
+        for words in (words for line in lines for words in shell_commands(line)):
+            if "search-attribute" not in words or "create" not in words:
+                continue
+            names = [value for option, value in itertools.pairwise(words) if option == "--name"]
+            types = [value for option, value in itertools.pairwise(words) if option == "--type"]
+            assert len(names) == len(types), f"{rel(path)}: {shlex.join(words)} gives no type to each name"
+            for name, kind in zip(names, types, strict=True):
+                registrations.setdefault(path, {}).setdefault(name, []).append(kind)
+    assert registrations, "no `temporal operator search-attribute create` in deploy/"
+    problems = []
+    for path, registered in registrations.items():
+        if set(registered) != SEARCH_ATTRIBUTES:
+            problems.append(
+                f"{rel(path)}: registers {sorted(registered)}, not the search attributes {sorted(SEARCH_ATTRIBUTES)}"
+            )
+        for name, kinds in registered.items():
+            if set(kinds) != {SEARCH_ATTRIBUTE_TYPE}:
+                problems.append(f"{rel(path)}: {name} registered as {', '.join(kinds)}, not {SEARCH_ATTRIBUTE_TYPE}")
+    assert not problems, "\n".join(problems)
+
+
+def test_kustomization_lists_the_manifests():
+    (kustomization,) = yaml_documents(DEPLOY / "kubernetes" / "kustomization.yaml")
+    manifests = {
+        path.name
+        for path in yaml_files()
+        if path.parent.name == "kubernetes" and path.name != "kustomization.yaml" and ".example." not in path.name
+    }
+    listed = set(kustomization["resources"])
+    assert listed == manifests, (
+        f"deploy/kubernetes/kustomization.yaml: resources lack {sorted(manifests - listed)}, "
+        f"name missing files {sorted(listed - manifests)}"
+    )
+
+
+def test_yaml_files_parse():
+    for path in yaml_files():
+        assert yaml_documents(path), f"{rel(path)} holds no YAML document"
