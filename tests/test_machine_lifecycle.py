@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -105,6 +107,14 @@ FAST = LifecyclePolicy(
 )
 
 
+@asynccontextmanager
+async def machine_worker(env, fakes: FakeMachineActivities, purpose: str) -> AsyncIterator[str]:
+    """A worker running MachineWorkflow with the fakes on a queue of its own; yields the queue."""
+    queue = f"{purpose}-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+        yield queue
+
+
 async def watching_machine(env, fakes: FakeMachineActivities, queue: str) -> Any:
     handle = await env.client.start_workflow(
         MachineWorkflow.run,
@@ -120,8 +130,7 @@ async def watching_machine(env, fakes: FakeMachineActivities, queue: str) -> Any
 async def test_heartbeat_lost_reboots_retrying_with_the_seed_backoff_then_takes_over_again(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities(reboot_failures=3)
-    queue = f"recovery-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    async with machine_worker(env, fakes, "recovery") as queue:
         handle = await watching_machine(env, fakes, queue)
         first_run = (await handle.describe()).run_id
         await handle.signal(MachineWorkflow.heartbeat_lost, "last heartbeat at 10:00")
@@ -156,8 +165,7 @@ async def test_heartbeat_lost_reboots_retrying_with_the_seed_backoff_then_takes_
 async def test_force_recover_arguments(time_skipping_env, argument, reason):
     env = time_skipping_env
     fakes = FakeMachineActivities()
-    queue = f"force-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    async with machine_worker(env, fakes, "force") as queue:
         handle = await watching_machine(env, fakes, queue)
         if argument is None:
             await handle.signal("force_recover")
@@ -173,8 +181,7 @@ async def test_force_recover_arguments(time_skipping_env, argument, reason):
 async def test_malformed_json_argument_is_not_lost(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities()
-    queue = f"force-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    async with machine_worker(env, fakes, "force") as queue:
         handle = await watching_machine(env, fakes, queue)
         garbage = Payload(metadata={"encoding": b"json/plain"}, data=b"{not json")
         await handle.signal("force_recover", RawValue(garbage))
@@ -189,8 +196,7 @@ async def test_malformed_json_argument_is_not_lost(time_skipping_env):
 async def test_signals_during_recovery_are_coalesced_into_one_reboot(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities(reboot_failures=1)
-    queue = f"coalesce-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    async with machine_worker(env, fakes, "coalesce") as queue:
         handle = await watching_machine(env, fakes, queue)
         await handle.signal("force_recover", {"reason": "first"})
         await env.sleep(timedelta(seconds=1))
@@ -208,8 +214,7 @@ async def test_signals_during_recovery_are_coalesced_into_one_reboot(time_skippi
 async def test_recovery_asked_for_before_the_agent_started_waits_for_it(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities(agent_failures=2)
-    queue = f"early-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    async with machine_worker(env, fakes, "early") as queue:
         handle = await env.client.start_workflow(
             MachineWorkflow.run,
             MachineInput("sim", "node-0001", str(uuid.uuid4()), FAST),
@@ -235,8 +240,7 @@ async def test_recovery_asked_for_before_the_agent_started_waits_for_it(time_ski
 async def test_a_hundred_recoveries_keep_the_history_short(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities()
-    queue = f"many-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    async with machine_worker(env, fakes, "many") as queue:
         handle = await watching_machine(env, fakes, queue)
         for n in range(100):
             await handle.signal(MachineWorkflow.heartbeat_lost, f"silence {n}")
