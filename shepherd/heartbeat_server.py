@@ -13,7 +13,7 @@ import logging
 import signal
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +38,8 @@ SERVICE = "shepherd.agent.v1.AgentCallback"
 # A HeartbeatRequest is about 150 bytes; anything far larger is not one.
 MAX_REQUEST_SIZE = 1024
 NOT_ACCEPTED = "heartbeat not accepted: unknown machine, or not signed by its agent's key"
+# Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
+KEY_CACHE_SIZE = 100_000
 
 
 class HeartbeatRejected(Exception):
@@ -60,8 +62,14 @@ class HeartbeatService:
         max_skew: float,
         clock: Callable[[], float] = time.time,
         meter: MetricMeter = MetricMeter.noop,
+        key_cache_size: int = KEY_CACHE_SIZE,
     ) -> None:
         self.bmdb = bmdb
+        # A heartbeat then costs one BMDB statement, not two. A cached key
+        # never lets a heartbeat in on its own: the recording statement
+        # checks the key against BMDB again, and a miss re-reads it.
+        self._keys: OrderedDict[uuid.UUID, bytes] = OrderedDict()
+        self._key_cache_size = key_cache_size
         self.interval_ms = int(interval * 1000)
         self.max_skew_ms = int(max_skew * 1000)
         self.clock = clock
@@ -107,12 +115,14 @@ class HeartbeatService:
                 f"sent_at_unix_ms is {skew / 1000:.0f}s from the server's clock"
                 f" (at most {self.max_skew_ms / 1000:.0f}s)",
             )
+        sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
         try:
-            key = await self.bmdb.agent_public_key(machine_id)
-            if key is None or not _signed_by(key, request):
-                _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
-            sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
+            key = await self._signing_key(machine_id, request)
             recorded = await self.bmdb.record_heartbeat(machine_id, key, sent_at)
+            if not recorded and await self.bmdb.agent_public_key(machine_id) != key:
+                # The agent was replaced or forgotten (recovery) since its key was cached.
+                self._keys.pop(machine_id, None)
+                _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
         except SQLAlchemyError as error:
             log.error("BMDB failed while recording a heartbeat: %s", error)
             _reject(grpc.StatusCode.UNAVAILABLE, "unavailable", "BMDB is unavailable; try again")
@@ -121,6 +131,21 @@ class HeartbeatService:
                 grpc.StatusCode.ALREADY_EXISTS, "replayed", "a heartbeat sent at or after this one was already accepted"
             )
         return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=self.interval_ms)
+
+    async def _signing_key(self, machine_id: uuid.UUID, request: agent_api_pb2.HeartbeatRequest) -> bytes:
+        """The machine's agent key that signed this request, from the cache or else from BMDB."""
+        cached = self._keys.get(machine_id)
+        if cached is not None and _signed_by(cached, request):
+            self._keys.move_to_end(machine_id)
+            return cached
+        key = await self.bmdb.agent_public_key(machine_id)
+        if key is None or not _signed_by(key, request):
+            _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
+        self._keys[machine_id] = key
+        self._keys.move_to_end(machine_id)
+        if len(self._keys) > self._key_cache_size:
+            self._keys.popitem(last=False)
+        return key
 
 
 def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:

@@ -108,6 +108,53 @@ async def test_replayed_and_older_requests_are_refused(endpoint, agent, bmdb):
     assert await heartbeat_at(bmdb, agent.machine_id) == recorded
 
 
+async def test_an_agent_forgotten_or_replaced_after_its_key_was_cached_is_refused(endpoint, agent, bmdb):
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
+    await bmdb.forget_agent(agent.machine_id, "test recovery")
+    forgotten = await rejected(endpoint, signed_heartbeat(str(agent.machine_id), agent.key))
+    assert forgotten.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await heartbeat_at(bmdb, agent.machine_id) is None
+
+    new_key = Ed25519PrivateKey.generate()
+    public = new_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    await bmdb.record_agent_started(agent.machine_id, datetime.now(UTC), public)
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), new_key))
+    replaced = await rejected(endpoint, signed_heartbeat(str(agent.machine_id), agent.key))
+    assert replaced.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Replaced again while the new agent's key is cached: the old key is refused, the newest accepted.
+    newest_key = Ed25519PrivateKey.generate()
+    public = newest_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    await bmdb.record_agent_started(agent.machine_id, datetime.now(UTC), public)
+    assert (await rejected(endpoint, signed_heartbeat(str(agent.machine_id), new_key))).code() == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), newest_key))
+    assert endpoint.service.results == {"accepted": 3, "unauthenticated": 3}
+
+
+async def test_more_agents_than_cached_keys_are_all_accepted(bmdb, agent, tmp_path):
+    others = []
+    for n in range(2, 5):
+        machine_id, _ = await bmdb.admit_machine("sim", f"node-{n:04d}")
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+        others.append(Agent(machine_id, key))
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, key_cache_size=2)
+    server, port = build_server(service, "127.0.0.1:0", None)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            now = int(datetime.now(UTC).timestamp() * 1000)
+            for round_ in range(3):
+                for each in [agent, *others]:
+                    await stub.Heartbeat(signed_heartbeat(str(each.machine_id), each.key, now_ms=now + round_))
+    finally:
+        await server.stop(None)
+    assert service.results == {"accepted": 12}
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
