@@ -385,14 +385,17 @@ class BMDB:
             await conn.execute(delete(machine_agent_started).where(machine_agent_started.c.machine_id == machine_id))
             await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
 
-    async def recovery_counts(self) -> dict[uuid.UUID, int]:
-        """Machine id -> how many times it was rebooted by a recovery, for machines rebooted at least once."""
+    async def recovery_counts(self, machine_id: uuid.UUID | None = None) -> dict[uuid.UUID, int]:
+        """Machine id -> how many times it was rebooted by a recovery, for machines rebooted at least once.
+
+        Of every machine, or only of the one given.
+        """
+        query = select(events.c.machine_id, func.count()).where(
+            events.c.kind == "rebooted",
+            events.c.machine_id.is_not(None) if machine_id is None else events.c.machine_id == machine_id,
+        )
         async with self.engine.connect() as conn:
-            rows = await conn.execute(
-                select(events.c.machine_id, func.count())
-                .where(events.c.kind == "rebooted", events.c.machine_id.is_not(None))
-                .group_by(events.c.machine_id)
-            )
+            rows = await conn.execute(query.group_by(events.c.machine_id))
             return {machine_id: int(n) for machine_id, n in rows}
 
     # --- events ----------------------------------------------------------------

@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     machines.add_argument("--provider", help="only machines of this provider")
     machines.add_argument("--json", action="store_true", help="a JSON list instead of the table")
 
+    status = commands.add_parser(
+        "status", help="one machine whole: its workflow's status query beside BMDB's agent and last heartbeat"
+    )
+    _add_common(status)
+    status.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    status.add_argument("--json", action="store_true", help="JSON, with every value uncut")
+
     events = commands.add_parser("events", help="a machine's event log, newest first")
     _add_common(events)
     events.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
@@ -231,6 +238,8 @@ def _run(args: argparse.Namespace) -> int:
             return _worker(settings)
         if args.command == "machines":
             return _machines(settings, args)
+        if args.command == "status":
+            return _status(settings, args)
         if args.command == "events":
             return _events(settings, args)
         if args.command == "fleet":
@@ -299,6 +308,26 @@ def _events(settings: Settings, args: argparse.Namespace) -> int:
         bmdb = await open_bmdb(url)
         try:
             return await print_events(bmdb, args.machine, args.limit, as_json=args.json)
+        finally:
+            await bmdb.close()
+
+    with database(settings) as url:
+        try:
+            return asyncio.run(show(url))
+        except MachineNotFound as error:
+            raise CommandError(str(error)) from None
+
+
+def _status(settings: Settings, args: argparse.Namespace) -> int:
+    from shepherd.machine_ref import MachineNotFound
+    from shepherd.status_view import print_status
+    from worker import connect_temporal, open_bmdb
+
+    async def show(url: str) -> int:
+        client = await connect_temporal(settings)
+        bmdb = await open_bmdb(url)
+        try:
+            return await print_status(client, bmdb, args.machine, as_json=args.json)
         finally:
             await bmdb.close()
 

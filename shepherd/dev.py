@@ -35,6 +35,7 @@ from shepherd.tls import local_certificates
 from workflows.types import (
     MACHINE_WORKFLOW_TYPE,
     SEARCH_ATTRIBUTES,
+    STATUS_QUERY,
     MachineStage,
     MachineStatus,
     machine_workflow_id,
@@ -459,7 +460,7 @@ class DevStack:
         )
         async for execution in client.list_workflows(query, limit=limit):
             try:
-                status = await client.get_workflow_handle(execution.id).query("status", result_type=MachineStatus)
+                status = await client.get_workflow_handle(execution.id).query(STATUS_QUERY, result_type=MachineStatus)
             except Exception as error:
                 reasons.append(f"{execution.id}: status query failed: {error}")
                 continue

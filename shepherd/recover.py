@@ -15,7 +15,13 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB
 from shepherd.machine_ref import MachineNotFound, resolve_machine
-from workflows.types import FORCE_RECOVER_SIGNAL, MACHINE_WORKFLOW_TYPE, MachineStatus, machine_workflow_id
+from workflows.types import (
+    FORCE_RECOVER_SIGNAL,
+    MACHINE_WORKFLOW_TYPE,
+    STATUS_QUERY,
+    MachineStatus,
+    machine_workflow_id,
+)
 
 # Long enough for any operator's note, short enough for a status line.
 MAX_REASON_LENGTH = 500
@@ -98,7 +104,7 @@ async def _stage_of(client: Client, workflow_id: str) -> str:
     # The status query needs a worker; without one the signal still waits in the history.
     try:
         status = await client.get_workflow_handle(workflow_id).query(
-            "status", result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT
+            STATUS_QUERY, result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT
         )
     except Exception:
         return "in an unknown stage (no worker answered the status query)"

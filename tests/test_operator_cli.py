@@ -1,4 +1,4 @@
-"""The operator's commands: machines (filters, JSON), events, fleet (passes, pause, resume, trigger)."""
+"""The operator's commands: machines (filters, JSON), status, events, fleet (passes, pause, resume, trigger)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from bmdb.schema import machine_provided, machines
 from bmdb.store import BMDB
 from shepherd.machine_ref import MachineNotFound, resolve_machine
 from tests.fleet_stack import fleet_stack
+from tests.test_recovery import WATCH, wait_for
 from worker import ensure_fleet_schedule
-from workflows.types import MachineStage
+from workflows.types import FORCE_RECOVER_SIGNAL, MachineStage
 
 NO_SCHEDULE = "a worker creates it when it starts"
 NOT_FOUND = "it is neither a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"
@@ -111,6 +112,56 @@ async def test_events_of_a_machine(tmp_path, temporal_client, bmdb_url, bmdb, sh
         assert (code, out) == (1, "") and err == f"shepherd events: no machine 'node-0404': {NOT_FOUND}\n"
 
 
+async def test_status_of_a_machine_joins_its_workflow_and_its_heartbeats(
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **WATCH) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+        await stack.machine("node-0001").signal(FORCE_RECOVER_SIGNAL, {"reason": "disk errors"})
+
+        async def recovered_and_heartbeating():
+            status = await stack.status("node-0001")
+            record = (await bmdb.machines_with_provider_id("node-0001"))[0]
+            watching = status.recovery_count == 1 and status.stage is MachineStage.WATCHING
+            return record if watching and record.agent_heartbeat_at else None
+
+        record = await wait_for(recovered_and_heartbeating, limit=30, what="recovery and a new heartbeat")
+        env = stack.environment(bmdb_url)
+
+        code, out, err = await shepherd_cli(env, "status", str(record.machine_id)[:6])
+        assert code == 0, err
+        rows = {line[:19].strip(): line[20:] for line in out.splitlines()}
+        assert max(len(line) for line in out.splitlines()) <= 80
+        assert rows["machine"] == f"node-0001 (sim), BMDB {record.machine_id}"
+        assert rows["workflow"] == "machine-sim-node-0001, RUNNING"
+        assert rows["stage"].startswith("WATCHING since ")
+        assert rows["last heartbeat"].endswith(" ago)") and rows["agent key"].startswith("SHA256:")
+        assert rows["recoveries"] == "1" and rows["last recovery"] == "forced: disk errors"
+
+        code, out, err = await shepherd_cli(env, "status", "machine-sim-node-0001", "--json")
+        assert code == 0, err
+        detail = json.loads(out)
+        assert detail["machine_id"] == str(record.machine_id) and detail["workflow_state"] == "RUNNING"
+        assert detail["status"]["stage"] == "WATCHING" and detail["status"]["recovery_count"] == 1
+        assert detail["last_heartbeat_at"] and detail["recoveries"] == 1 and detail["status_missing"] is None
+
+        await stack.machine("node-0002").terminate("retired by hand")
+        code, out, err = await shepherd_cli(env, "status", "node-0002")
+        assert code == 0, err
+        assert "machine-sim-node-0002, TERMINATED" in out and "the workflow is not running" in out
+
+        await add_machine(bmdb, "feed0000-0000-4000-8000-000000000009", "sim", "node-0009")
+        code, out, err = await shepherd_cli(env, "status", "node-0009", "--json")
+        assert code == 0, err
+        detail = json.loads(out)
+        assert detail["workflow_state"] == "NOT STARTED" and detail["status"] is None
+        assert detail["last_heartbeat_at"] is None and "next fleet pass starts it" in detail["status_missing"]
+
+        code, out, err = await shepherd_cli(env, "status", "node-0404")
+        assert (code, out) == (1, "") and err == f"shepherd status: no machine 'node-0404': {NOT_FOUND}\n"
+
+
 async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
     tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
 ):
@@ -160,6 +211,8 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         (["machines"], "temporal", "temporal_address"),
         (["machines"], "bmdb", "database_url"),
         (["events", "node-0001"], "bmdb", "database_url"),
+        (["status", "node-0001"], "temporal", "temporal_address"),
+        (["status", "node-0001"], "bmdb", "database_url"),
         (["fleet"], "temporal", "temporal_address"),
         (["recover", "machine-sim-node-0001", "--reason", "y"], "temporal", "temporal_address"),
         (["recover", "node-0001", "--reason", "y"], "bmdb", "database_url"),

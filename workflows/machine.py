@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.types import (
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
+        STATUS_QUERY,
         AgentFacts,
         Backoff,
         MachineInput,
@@ -170,7 +171,7 @@ class MachineWorkflow:
         workflow.logger.info("recovery requested: %s", reason, extra=self._log_fields)
         self._show_details()
 
-    @workflow.query
+    @workflow.query(name=STATUS_QUERY)
     def status(self) -> MachineStatus:
         return self._status
 

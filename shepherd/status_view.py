@@ -1,0 +1,153 @@
+"""``shepherd status MACHINE``: one machine whole, its workflow's answer beside BMDB's records.
+
+The workflow's ``status`` query knows the stage, attempts, errors and
+recoveries; the agent's heartbeats live in BMDB only (a healthy machine's
+workflow is never woken for them). This view puts both on one page.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, TextIO
+
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+
+from bmdb.store import BMDB, MachineRecord
+from shepherd.fleet_view import age
+from shepherd.machine_ref import resolve_machine
+from workflows.types import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
+
+_QUERY_TIMEOUT = timedelta(seconds=5)
+_LABEL = "{:<19} {}"
+_VALUE_WIDTH = 80 - 20
+
+
+@dataclass(frozen=True)
+class MachineDetail:
+    record: MachineRecord
+    recoveries: int  # reboots in the event log, across every workflow run
+    workflow_id: str
+    workflow_state: str  # RUNNING, COMPLETED, ..., or NOT STARTED
+    status: MachineStatus | None
+    status_missing: str | None  # why there is no status, when there is none
+
+
+async def machine_detail(client: Client, bmdb: BMDB, name: str) -> MachineDetail:
+    record = await resolve_machine(bmdb, name)
+    recoveries = (await bmdb.recovery_counts(record.machine_id)).get(record.machine_id, 0)
+    workflow_id = machine_workflow_id(record.provider, record.provider_id)
+    handle = client.get_workflow_handle(workflow_id)
+    try:
+        description = await handle.describe()
+    except RPCError as error:
+        if error.status != RPCStatusCode.NOT_FOUND:
+            raise
+        missing = "the workflow has not been started; the next fleet pass starts it"
+        return MachineDetail(record, recoveries, workflow_id, "NOT STARTED", None, missing)
+    state = description.status.name if description.status else "UNKNOWN"
+    if description.workflow_type != MACHINE_WORKFLOW_TYPE:
+        missing = f"{workflow_id} is a {description.workflow_type} workflow, not a machine's"
+        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
+    if state != "RUNNING":
+        missing = "the workflow is not running; the next fleet pass starts it again"
+        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
+    try:
+        status = await handle.query(STATUS_QUERY, result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT)
+    except RPCError as error:
+        missing = f"no worker answered the status query ({error.message or error.status.name})"
+        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
+    return MachineDetail(record, recoveries, workflow_id, state, status, None)
+
+
+def _fit(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _VALUE_WIDTH else text[: _VALUE_WIDTH - 3] + "..."
+
+
+def _at(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return "-"
+    return f"{moment.astimezone(UTC).strftime('%Y-%m-%d %H:%M:%S')} UTC ({age(moment, now)} ago)"
+
+
+def _at_text(iso: str | None, now: datetime) -> str:
+    return "-" if iso is None else _at(datetime.fromisoformat(iso), now)
+
+
+def format_detail(detail: MachineDetail, now: datetime) -> list[str]:
+    """Label and value lines that fit 80 columns; --json has every value uncut."""
+    record, status = detail.record, detail.status
+    address = f"{record.address}:{record.ssh_port}" if record.address else "-"
+    rows: list[tuple[str, str]] = [
+        ("machine", f"{record.provider_id} ({record.provider}), BMDB {record.machine_id}"),
+        ("workflow", f"{detail.workflow_id}, {detail.workflow_state}"),
+    ]
+    if status is None:
+        rows.append(("stage", f"unknown: {detail.status_missing}"))
+    else:
+        rows.append(("stage", f"{status.stage} since {_at_text(status.stage_since, now)}"))
+        if status.attempts:
+            rows.append(("attempts", str(status.attempts)))
+        if status.last_error:
+            rows.append(("last error", status.last_error))
+        if status.next_attempt_at:
+            rows.append(("next attempt", _at_text(status.next_attempt_at, now)))
+    rows += [
+        ("address", address),
+        ("BMDB status", record.status),
+        ("agent started", _at(record.agent_started_at, now)),
+    ]
+    if status is not None and status.agent is not None:
+        rows.append(("agent key", status.agent.key_fingerprint))
+        rows += [("agent warning", warning) for warning in status.agent.warnings]
+    rows.append(("last heartbeat", _at(record.agent_heartbeat_at, now)))
+    rows.append(("recoveries", str(detail.recoveries)))
+    if status is not None:
+        if status.last_recovery_reason:
+            rows.append(("last recovery", status.last_recovery_reason))
+        if status.recovery_requested:
+            rows.append(("recovery requested", status.recovery_requested))
+        if status.recovery_requests_coalesced:
+            rows.append(("requests coalesced", str(status.recovery_requests_coalesced)))
+    return [_LABEL.format(label, _fit(value)) for label, value in rows]
+
+
+def detail_json(detail: MachineDetail) -> dict[str, Any]:
+    record = detail.record
+
+    def when(at: datetime | None) -> str | None:
+        return at.isoformat() if at else None
+
+    return {
+        "provider": record.provider,
+        "provider_id": record.provider_id,
+        "machine_id": str(record.machine_id),
+        "workflow_id": detail.workflow_id,
+        "workflow_state": detail.workflow_state,
+        "status": None if detail.status is None else asdict(detail.status),
+        "status_missing": detail.status_missing,
+        "address": record.address,
+        "ssh_port": record.ssh_port,
+        "bmdb_status": record.status,
+        "agent_started_at": when(record.agent_started_at),
+        "last_heartbeat_at": when(record.agent_heartbeat_at),
+        "recoveries": detail.recoveries,
+    }
+
+
+async def print_status(
+    client: Client, bmdb: BMDB, name: str, *, as_json: bool = False, out: TextIO | None = None
+) -> int:
+    detail = await machine_detail(client, bmdb, name)
+    out = out or sys.stdout
+    if as_json:
+        json.dump(detail_json(detail), out, indent=2)
+        out.write("\n")
+        return 0
+    for line in format_detail(detail, datetime.now(UTC)):
+        print(line, file=out)
+    return 0
