@@ -102,6 +102,39 @@ async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping
         await handle.terminate()
 
 
+async def test_retry_now_ends_a_back_off_and_is_ignored_when_nothing_fails(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=2)
+    policy = LifecyclePolicy(provision_backoff=Backoff(60, 3600, 1.2), agent_start_backoff=SEED_AGENT_BACKOFF)
+    async with machine_worker(env, fakes, "retry-now") as queue:
+        handle = await env.client.start_workflow(
+            MachineWorkflow.run,
+            MachineInput("sim", "node-0001", str(uuid.uuid4()), policy),
+            id=f"machine-sim-{uuid.uuid4()}",
+            task_queue=queue,
+        )
+        await env.sleep(timedelta(seconds=1))
+        assert (await handle.query(MachineWorkflow.status)).attempts == 1
+        await handle.signal(MachineWorkflow.retry_now, "pin reset")
+        await env.sleep(timedelta(seconds=1))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.AGENT_STARTING and status.attempts == 2
+        # The second failure waits its back-off again: one signal, one retry.
+        await env.sleep(timedelta(seconds=SEED_AGENT_BACKOFF.delay(2) - 10))
+        assert (await handle.query(MachineWorkflow.status)).attempts == 2
+        await env.sleep(timedelta(seconds=20))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING
+        gaps = [round(b - a) for a, b in zip(fakes.agent_attempt_times, fakes.agent_attempt_times[1:], strict=False)]
+        assert gaps[0] < 5 and gaps[1] == 360
+
+        await handle.signal(MachineWorkflow.retry_now)
+        await env.sleep(timedelta(seconds=1))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and len(fakes.agent_attempt_times) == 3
+        await handle.terminate()
+
+
 FAST = LifecyclePolicy(
     provision_backoff=Backoff(1, 1, 1), agent_start_backoff=Backoff(1, 1, 1), recovery_backoff=Backoff(60, 3600, 1.2)
 )

@@ -1,8 +1,9 @@
 """MachineWorkflow: one machine's lifecycle, one workflow per machine.
 
 PROVISIONING -> AGENT_STARTING -> WATCHING -> RECOVERING -> AGENT_STARTING ...
-Signals: ``force_recover`` (an operator) and ``heartbeat_lost`` (the fleet
-watchdog); query: ``status``. The workflow id
+Signals: ``force_recover`` (an operator), ``heartbeat_lost`` (the fleet
+watchdog) and ``retry_now`` (an operator who fixed what made a step fail);
+query: ``status``. The workflow id
 ``machine-<provider>-<provider_id>`` makes Temporal the per-machine lock: no
 two workers ever act on the same machine at once.
 
@@ -29,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.types import (
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
+        RETRY_NOW_SIGNAL,
         STATUS_QUERY,
         AgentFacts,
         Backoff,
@@ -93,6 +95,7 @@ class MachineWorkflow:
             recovery_count=input.recovery_count,
             last_recovery_reason=input.last_recovery_reason,
         )
+        self._retry_now = False
 
     @workflow.run
     async def run(self, input: MachineInput) -> None:
@@ -161,6 +164,15 @@ class MachineWorkflow:
         """The fleet watchdog found the agent silent."""
         self._request_recovery(f"heartbeat lost: {cause if isinstance(cause, str) and cause else 'no detail'}")
 
+    @workflow.signal(name=RETRY_NOW_SIGNAL)
+    def retry_now(self, reason: Any = None) -> None:
+        """An operator fixed what made the step fail (reset a host key pin, say): end the back-off now."""
+        if self._status.attempts == 0:
+            workflow.logger.info("retry_now ignored: no step is failing", extra=self._log_fields)
+            return
+        self._retry_now = True
+        workflow.logger.info("retrying now: %s", reason if reason else "asked by an operator", extra=self._log_fields)
+
     def _request_recovery(self, reason: str) -> None:
         status = self._status
         if status.recovery_requested is not None or status.stage is MachineStage.RECOVERING:
@@ -228,8 +240,18 @@ class MachineWorkflow:
                     self._status.last_error,
                     extra=self._log_fields,
                 )
-                await workflow.sleep(delay)
+                # A retry_now that came during the attempt counts: the fix may have come too late for it.
+                try:
+                    await workflow.wait_condition(
+                        lambda: self._retry_now,
+                        timeout=delay,
+                        timeout_summary=f"back-off after {self._status.stage} attempt {self._status.attempts}",
+                    )
+                except TimeoutError:
+                    pass
+                self._retry_now = False
                 continue
+            self._retry_now = False
             self._status.attempts = 0
             self._status.next_attempt_at = None
             self._status.last_error = None

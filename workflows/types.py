@@ -61,6 +61,7 @@ def initial_search_attributes(provider: str, provider_id: str, machine_id: str) 
 
 HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"
 FORCE_RECOVER_SIGNAL = "force_recover"
+RETRY_NOW_SIGNAL = "retry_now"
 STATUS_QUERY = "status"
 
 
