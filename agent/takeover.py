@@ -202,7 +202,7 @@ async def _connect(
             raise TakeoverError(
                 TakeoverFailure.HOST_KEY_CHANGED,
                 target,
-                f"the pinned host key is not an OpenSSH public key ({error}); reset the machine's pin",
+                f"the pinned host key is not an OpenSSH public key ({error}); `shepherd reset-host-key` the machine",
             ) from None
         # Trusted host keys, trusted CA keys, revoked keys: only the pinned key
         # passes, and asyncssh checks it in the handshake, before we send anything.
@@ -249,7 +249,7 @@ async def _connect(
             TakeoverFailure.HOST_KEY_CHANGED,
             target,
             "the SSH host key differs from the one pinned at first contact; "
-            "if the machine was reinstalled, reset its pin, otherwise find out who answers at that address",
+            "if the machine was reinstalled, `shepherd reset-host-key` it, otherwise find out who answers there",
         ) from None
     except (asyncssh.Error, OSError) as error:
         raise TakeoverError(TakeoverFailure.SSH_ERROR, target, f"cannot open an SSH session: {error}") from None

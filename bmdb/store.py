@@ -282,6 +282,22 @@ class BMDB:
                 raise KeyError(f"BMDB has no provided record for machine {machine_id}")
             return str(row.ssh_host_key)
 
+    async def reset_host_key(self, machine_id: uuid.UUID, pinned: str, detail: str) -> bool:
+        """Forget the pinned SSH host key, if it still is `pinned`, logging a host_key_reset event with detail.
+
+        False when the pin changed meanwhile: the operator reset a key they did not see.
+        """
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                update(machine_provided)
+                .where(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key == pinned)
+                .values(ssh_host_key=None)
+            )
+            if result.rowcount == 0:
+                return False
+            await conn.execute(insert(events).values(machine_id=machine_id, kind="host_key_reset", detail=detail))
+            return True
+
     # --- agent ---------------------------------------------------------------
 
     async def record_agent_started(self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> None:

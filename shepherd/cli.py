@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     recover.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     recover.add_argument("--reason", required=True, type=_reason_arg, help="why; shown in status and the event log")
 
+    reset_key = commands.add_parser(
+        "reset-host-key", help="forget a reinstalled machine's pinned SSH host key and retry its takeover now"
+    )
+    _add_common(reset_key)
+    reset_key.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    reset_key.add_argument("--reason", required=True, type=_reason_arg, help="why; kept in the event log")
+
     machines = commands.add_parser("machines", help="each machine's stage, agent age, last heartbeat and recoveries")
     _add_common(machines)
     machines.add_argument("--stage", type=_stage_arg, help="only machines in this stage (or - for no workflow)")
@@ -238,6 +245,8 @@ def _run(args: argparse.Namespace) -> int:
             return _worker(settings)
         if args.command == "machines":
             return _machines(settings, args)
+        if args.command == "reset-host-key":
+            return _reset_host_key(settings, args)
         if args.command == "status":
             return _status(settings, args)
         if args.command == "events":
@@ -316,6 +325,28 @@ def _events(settings: Settings, args: argparse.Namespace) -> int:
             return asyncio.run(show(url))
         except MachineNotFound as error:
             raise CommandError(str(error)) from None
+
+
+def _reset_host_key(settings: Settings, args: argparse.Namespace) -> int:
+    from shepherd.host_key import HostKeyError, reset_host_key
+    from shepherd.machine_ref import MachineNotFound
+    from worker import connect_temporal, open_bmdb
+
+    async def reset(url: str) -> str:
+        # Temporal first: a pin is not reset when the workflow cannot be told.
+        client = await connect_temporal(settings)
+        bmdb = await open_bmdb(url)
+        try:
+            return await reset_host_key(client, bmdb, args.machine, args.reason)
+        finally:
+            await bmdb.close()
+
+    with database(settings) as url:
+        try:
+            print(asyncio.run(reset(url)))
+        except (MachineNotFound, HostKeyError) as error:
+            raise CommandError(str(error)) from None
+    return EXIT_OK
 
 
 def _status(settings: Settings, args: argparse.Namespace) -> int:

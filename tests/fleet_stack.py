@@ -130,10 +130,17 @@ async def fleet_stack(
     heartbeats: bool = False,
     sim_faults: Faults | None = None,
     sim_meter: MetricMeter = MetricMeter.noop,
+    sim_boot_seconds: float = 2.0,
     **setting_overrides: Any,
 ) -> AsyncIterator[FleetStack]:
     simulator = Simulator(
-        SimulatorConfig(machines=machines, state_dir=tmp_path / "sim", api_port=0, faults=sim_faults or Faults()),
+        SimulatorConfig(
+            machines=machines,
+            state_dir=tmp_path / "sim",
+            api_port=0,
+            faults=sim_faults or Faults(),
+            boot_seconds=sim_boot_seconds,
+        ),
         sim_meter,
     )
     await simulator.start()

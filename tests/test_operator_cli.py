@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
+import asyncssh
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 from temporalio.client import WorkflowFailureError
 
 from bmdb.schema import machine_provided, machines
 from bmdb.store import BMDB
+from shepherd.host_key import host_key_fingerprint
 from shepherd.machine_ref import MachineNotFound, resolve_machine
 from tests.fleet_stack import fleet_stack
 from tests.test_recovery import WATCH, wait_for
@@ -162,6 +165,64 @@ async def test_status_of_a_machine_joins_its_workflow_and_its_heartbeats(
         assert (code, out) == (1, "") and err == f"shepherd status: no machine 'node-0404': {NOT_FOUND}\n"
 
 
+async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+):
+    # A back-off of an hour: only retry_now brings the takeover back within the test. The reboot is
+    # instant, so the first takeover after it meets the changed host key rather than a booting machine.
+    settings: dict[str, Any] = {**WATCH, "agent_start_backoff_initial": 3600.0, "agent_start_backoff_maximum": 3600.0}
+    async with fleet_stack(
+        tmp_path, temporal_client, bmdb_url, machines=1, heartbeats=True, sim_boot_seconds=0.0, **settings
+    ) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+        record = (await bmdb.machines_with_provider_id("node-0001"))[0]
+        real_key = record.ssh_host_key
+        assert real_key is not None
+        # As if the machine had been reinstalled: the key it shows is not the one pinned.
+        old_key = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+        async with bmdb.engine.begin() as conn:
+            await conn.execute(
+                update(machine_provided)
+                .where(machine_provided.c.machine_id == record.machine_id)
+                .values(ssh_host_key=old_key)
+            )
+        await stack.machine("node-0001").signal(FORCE_RECOVER_SIGNAL, {"reason": "reinstalled"})
+        status = await stack.wait_for_error("node-0001")
+        assert status.stage is MachineStage.AGENT_STARTING
+        assert status.last_error and status.last_error.startswith("HOST_KEY_CHANGED: ")
+        assert "shepherd reset-host-key" in status.last_error
+        env = stack.environment(bmdb_url)
+
+        code, out, err = await shepherd_cli(env, "reset-host-key", "node-0001", "--reason", "reinstalled by DC ops")
+        assert code == 0, err
+        old_fingerprint = host_key_fingerprint(old_key)
+        assert out == (
+            f"node-0001: host key pin {old_fingerprint} reset (reinstalled by DC ops); "
+            "machine-sim-node-0001 was asked to retry now, and its takeover pins the key it sees\n"
+        )
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING, limit=30)
+        assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
+        events = await bmdb.list_events(record.machine_id)
+        assert any(
+            e.kind == "host_key_reset" and e.detail == f"reinstalled by DC ops; was {old_fingerprint}" for e in events
+        )
+
+        # A pin that changed since it was read is not reset.
+        assert not await bmdb.reset_host_key(record.machine_id, old_key, "stale")
+        assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
+
+        await add_machine(bmdb, "feed0000-0000-4000-8000-000000000009", "sim", "node-0009")
+        code, out, err = await shepherd_cli(env, "reset-host-key", "node-0009", "--reason", "x")
+        assert (code, err) == (0, "")
+        assert out == "node-0009 has no pinned host key; its next takeover pins the key it sees\n"
+        code, out, err = await shepherd_cli(env, "reset-host-key", "node-0404", "--reason", "x")
+        assert (code, out) == (1, "") and err == f"shepherd reset-host-key: no machine 'node-0404': {NOT_FOUND}\n"
+        with pytest.raises(SystemExit) as usage:
+            await shepherd_cli(env, "reset-host-key", "node-0001")
+        assert usage.value.code == 2
+
+
 async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
     tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
 ):
@@ -213,6 +274,8 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         (["events", "node-0001"], "bmdb", "database_url"),
         (["status", "node-0001"], "temporal", "temporal_address"),
         (["status", "node-0001"], "bmdb", "database_url"),
+        (["reset-host-key", "node-0001", "--reason", "y"], "temporal", "temporal_address"),
+        (["reset-host-key", "node-0001", "--reason", "y"], "bmdb", "database_url"),
         (["fleet"], "temporal", "temporal_address"),
         (["recover", "machine-sim-node-0001", "--reason", "y"], "temporal", "temporal_address"),
         (["recover", "node-0001", "--reason", "y"], "bmdb", "database_url"),

@@ -1,0 +1,59 @@
+"""``shepherd reset-host-key``: forget a machine's pinned SSH host key after a reinstall.
+
+Shepherd pins the host key it sees at first contact and refuses a different
+one, because a changed key may be an impostor. When the operator knows the
+machine was reinstalled, this command forgets the pin (logging who said why)
+and asks the machine's workflow to retry its takeover now; that takeover pins
+the key it sees.
+"""
+
+from __future__ import annotations
+
+import asyncssh
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from bmdb.store import BMDB
+from shepherd.machine_ref import resolve_machine
+from workflows.types import RETRY_NOW_SIGNAL, machine_workflow_id
+
+
+class HostKeyError(Exception):
+    """The pin could not be reset, or the workflow not told; the message says what happened and what to do."""
+
+
+def host_key_fingerprint(openssh_line: str) -> str:
+    try:
+        return str(asyncssh.import_public_key(openssh_line).get_fingerprint("sha256"))
+    except (asyncssh.KeyImportError, ValueError):
+        return "an unreadable key"
+
+
+async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str) -> str:
+    """Forget the machine's pin and ask its workflow to retry; returns what happened, for the operator."""
+    record = await resolve_machine(bmdb, machine)
+    name = record.provider_id
+    if record.ssh_host_key is None:
+        return f"{name} has no pinned host key; its next takeover pins the key it sees"
+    fingerprint = host_key_fingerprint(record.ssh_host_key)
+    if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, f"{reason}; was {fingerprint}"):
+        raise HostKeyError(
+            f"the host key pin of {name} changed while it was being reset; nothing was reset, "
+            f"see `shepherd events {name}` and try again"
+        )
+    done = f"{name}: host key pin {fingerprint} reset ({reason})"
+    workflow_id = machine_workflow_id(record.provider, record.provider_id)
+    handle = client.get_workflow_handle(workflow_id)
+    try:
+        description = await handle.describe()
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
+        await handle.signal(RETRY_NOW_SIGNAL, f"host key pin reset: {reason}")
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
+        raise HostKeyError(
+            f"{done}, but {workflow_id} could not be asked to retry now ({error.message}); "
+            "it retries at the end of its back-off, or send it the retry_now signal"
+        ) from None
+    return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"
