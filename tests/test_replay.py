@@ -1,0 +1,115 @@
+"""Recorded workflow histories replay against today's workflow code.
+
+tests/histories/ holds histories of real runs: a machine whose first agent
+start failed and was retried at an operator's retry_now, then forced into a
+recovery; the same machine's run after it; a machine recovered for a lost
+heartbeat; a fleet pass that admitted machines and one that signalled a silent
+one. A workflow change that would break the workflows running in a fleet fails
+here, before it is deployed.
+
+`SHEPHERD_RECORD_HISTORIES=1 pytest tests/test_replay.py` records them again
+from a fresh run. Once a version is released its histories are kept as they
+are: a change goes behind `workflow.patched`, and new histories are added
+beside the old ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.worker import Replayer
+
+from tests.fleet_stack import FleetStack, fleet_stack
+from tests.test_fleet import sim_admin
+from tests.test_recovery import WATCH, wait_for
+from worker import fleet_input
+from workflows.fleet import FleetWorkflow
+from workflows.machine import MachineWorkflow
+from workflows.types import FORCE_RECOVER_SIGNAL, RETRY_NOW_SIGNAL, FleetInput, MachineStage
+
+HISTORIES = Path(__file__).parent / "histories"
+RECORDED = [
+    "machine-first-run",
+    "machine-after-forced-recovery",
+    "machine-heartbeat-lost",
+    "fleet-pass-admits",
+    "fleet-pass-signals-silent",
+]
+RECORDING = os.environ.get("SHEPHERD_RECORD_HISTORIES") == "1"
+
+
+def replayer() -> Replayer:
+    return Replayer(workflows=[MachineWorkflow, FleetWorkflow])
+
+
+@pytest.mark.parametrize("name", RECORDED)
+async def test_recorded_history_replays(name):
+    path = HISTORIES / f"{name}.json"
+    history = WorkflowHistory.from_json(name, path.read_text())
+    await replayer().replay_workflow(history)
+
+
+async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bmdb_url, bmdb):
+    """Runs what the recorded histories show, replays the new histories, and records them when asked."""
+    # An hour's back-off, so the failed agent start is retried only at retry_now.
+    settings: dict[str, Any] = {**WATCH, "agent_start_backoff_initial": 3600.0, "agent_start_backoff_maximum": 3600.0}
+    async with fleet_stack(
+        tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, sim_boot_seconds=0.0, **settings
+    ) as stack:
+        await sim_admin(stack, "/admin/faults", {"ssh_refuse": ["node-0001"]})
+        admitting = await stack.client.start_workflow(
+            FleetWorkflow.run, stack_fleet_input(stack), id="fleet-admits", task_queue=stack.settings.task_queue
+        )
+        assert (await admitting.result()).admitted == ["node-0001", "node-0002"]
+        await stack.wait_for_stage(["node-0002"], MachineStage.WATCHING)
+
+        # node-0001: the first agent start is refused, the operator fixes SSH and says retry_now.
+        await stack.wait_for_error("node-0001")
+        await sim_admin(stack, "/admin/faults", {"ssh_refuse": []})
+        first = stack.machine("node-0001")
+        await first.signal(RETRY_NOW_SIGNAL, "SSH fixed")
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING, limit=30)
+        first_run = (await first.describe()).run_id
+        await first.signal(FORCE_RECOVER_SIGNAL, {"reason": "disk errors"})
+        await wait_for(lambda: recovered(stack, "node-0001"), limit=30, what="forced recovery of node-0001")
+
+        # node-0002: its agent dies, and a pass finds it silent.
+        node2_run = (await stack.machine("node-0002").describe()).run_id
+        assert (await sim_admin(stack, "/admin/machines/node-0002/kill-agent", {}))["killed"] >= 1
+        await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+        signalling = await stack.client.start_workflow(
+            FleetWorkflow.run, stack_fleet_input(stack), id="fleet-signals", task_queue=stack.settings.task_queue
+        )
+        assert (await signalling.result()).silent == ["node-0002"]
+        await wait_for(lambda: recovered(stack, "node-0002"), limit=30, what="recovery of node-0002")
+
+        client = stack.client
+        histories = {
+            "machine-first-run": await client.get_workflow_handle(first.id, run_id=first_run).fetch_history(),
+            "machine-after-forced-recovery": await stack.machine("node-0001").fetch_history(),
+            "machine-heartbeat-lost": await client.get_workflow_handle(
+                "machine-sim-node-0002", run_id=node2_run
+            ).fetch_history(),
+            "fleet-pass-admits": await admitting.fetch_history(),
+            "fleet-pass-signals-silent": await signalling.fetch_history(),
+        }
+    assert sorted(histories) == sorted(RECORDED)
+    for name, history in histories.items():
+        await replayer().replay_workflow(history)
+        if RECORDING:
+            HISTORIES.mkdir(exist_ok=True)
+            (HISTORIES / f"{name}.json").write_text(history.to_json())
+
+
+def stack_fleet_input(stack: FleetStack) -> FleetInput:
+    return fleet_input(stack.settings)
+
+
+async def recovered(stack: FleetStack, provider_id: str) -> bool:
+    status = await stack.status(provider_id)
+    return status.recovery_count == 1 and status.stage is MachineStage.WATCHING
