@@ -11,16 +11,19 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio.service import RPCError
 
-from bmdb.store import BMDBUnavailable
+from bmdb.store import BMDB, BMDBUnavailable
 from shepherd.logs import configure_logging
 from shepherd.settings import Settings, SettingsError, parse_duration
+
+T = TypeVar("T")
+C = TypeVar("C")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -308,65 +311,71 @@ def _machines(settings: Settings, args: argparse.Namespace) -> int:
         return asyncio.run(print_machines(settings, url, only=only, as_json=args.json))
 
 
-def _events(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.events_view import print_events
+async def _no_temporal() -> None:
+    return None
+
+
+def _with_bmdb(
+    settings: Settings,
+    first: Callable[[], Awaitable[C]],
+    act: Callable[[C, BMDB], Awaitable[T]],
+    *errors: type[Exception],
+) -> T:
+    """Run act with what first connects (Temporal, or nothing) and BMDB open.
+
+    A machine not found, or one of errors, ends the command with its message.
+    """
     from shepherd.machine_ref import MachineNotFound
     from worker import open_bmdb
 
-    async def show(url: str) -> int:
+    async def run(url: str) -> T:
+        connected = await first()
         bmdb = await open_bmdb(url)
         try:
-            return await print_events(bmdb, args.machine, args.limit, as_json=args.json)
+            return await act(connected, bmdb)
         finally:
             await bmdb.close()
 
+    told: tuple[type[Exception], ...] = (MachineNotFound, *errors)
     with database(settings) as url:
         try:
-            return asyncio.run(show(url))
-        except MachineNotFound as error:
+            return asyncio.run(run(url))
+        except told as error:
             raise CommandError(str(error)) from None
+
+
+def _events(settings: Settings, args: argparse.Namespace) -> int:
+    from shepherd.events_view import print_events
+
+    return _with_bmdb(
+        settings, _no_temporal, lambda _, bmdb: print_events(bmdb, args.machine, args.limit, as_json=args.json)
+    )
 
 
 def _reset_host_key(settings: Settings, args: argparse.Namespace) -> int:
     from shepherd.host_key import HostKeyError, reset_host_key
-    from shepherd.machine_ref import MachineNotFound
-    from worker import connect_temporal, open_bmdb
+    from worker import connect_temporal
 
-    async def reset(url: str) -> str:
-        # Temporal first: a pin is not reset when the workflow cannot be told.
-        client = await connect_temporal(settings)
-        bmdb = await open_bmdb(url)
-        try:
-            return await reset_host_key(client, bmdb, args.machine, args.reason)
-        finally:
-            await bmdb.close()
-
-    with database(settings) as url:
-        try:
-            print(asyncio.run(reset(url)))
-        except (MachineNotFound, HostKeyError) as error:
-            raise CommandError(str(error)) from None
+    # Temporal first: a pin is not reset when the workflow cannot be told.
+    message = _with_bmdb(
+        settings,
+        lambda: connect_temporal(settings),
+        lambda client, bmdb: reset_host_key(client, bmdb, args.machine, args.reason),
+        HostKeyError,
+    )
+    print(message)
     return EXIT_OK
 
 
 def _status(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.machine_ref import MachineNotFound
     from shepherd.status_view import print_status
-    from worker import connect_temporal, open_bmdb
+    from worker import connect_temporal
 
-    async def show(url: str) -> int:
-        client = await connect_temporal(settings)
-        bmdb = await open_bmdb(url)
-        try:
-            return await print_status(client, bmdb, args.machine, as_json=args.json)
-        finally:
-            await bmdb.close()
-
-    with database(settings) as url:
-        try:
-            return asyncio.run(show(url))
-        except MachineNotFound as error:
-            raise CommandError(str(error)) from None
+    return _with_bmdb(
+        settings,
+        lambda: connect_temporal(settings),
+        lambda client, bmdb: print_status(client, bmdb, args.machine, as_json=args.json),
+    )
 
 
 def _fleet(settings: Settings, args: argparse.Namespace) -> int:

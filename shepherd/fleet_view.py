@@ -85,8 +85,8 @@ def format_machines(views: list[MachineView], now: datetime) -> list[str]:
     return lines
 
 
-def machine_json(view: MachineView) -> dict[str, Any]:
-    record = view.record
+def record_json(record: MachineRecord, recoveries: int) -> dict[str, Any]:
+    """What BMDB knows of a machine, as the --json of the commands shows it."""
 
     def when(at: datetime | None) -> str | None:
         return at.isoformat() if at else None
@@ -99,11 +99,14 @@ def machine_json(view: MachineView) -> dict[str, Any]:
         "address": record.address,
         "ssh_port": record.ssh_port,
         "bmdb_status": record.status,
-        "stage": None if view.stage == NO_WORKFLOW else view.stage,
         "agent_started_at": when(record.agent_started_at),
         "last_heartbeat_at": when(record.agent_heartbeat_at),
-        "recoveries": view.recoveries,
+        "recoveries": recoveries,
     }
+
+
+def machine_json(view: MachineView) -> dict[str, Any]:
+    return record_json(view.record, view.recoveries) | {"stage": None if view.stage == NO_WORKFLOW else view.stage}
 
 
 @dataclass(frozen=True)

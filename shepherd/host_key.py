@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncssh
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from bmdb.store import BMDB
-from shepherd.machine_ref import resolve_machine
+from shepherd.machine_ref import describe_workflow, resolve_machine
 from workflows.types import RETRY_NOW_SIGNAL, machine_workflow_id
 
 
@@ -43,15 +43,14 @@ async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str) 
         )
     done = f"{name}: host key pin {fingerprint} reset ({reason})"
     workflow_id = machine_workflow_id(record.provider, record.provider_id)
-    handle = client.get_workflow_handle(workflow_id)
     try:
-        description = await handle.describe()
+        description = await describe_workflow(client, workflow_id)
+        if description is None:
+            return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
         if description.status != WorkflowExecutionStatus.RUNNING:
             return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
-        await handle.signal(RETRY_NOW_SIGNAL, f"host key pin reset: {reason}")
+        await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, f"host key pin reset: {reason}")
     except RPCError as error:
-        if error.status == RPCStatusCode.NOT_FOUND:
-            return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
         raise HostKeyError(
             f"{done}, but {workflow_id} could not be asked to retry now ({error.message}); "
             "it retries at the end of its back-off, or send it the retry_now signal"

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import re
 
+from temporalio.client import Client, WorkflowExecutionDescription
+from temporalio.service import RPCError, RPCStatusCode
+
 from bmdb.store import BMDB, MachineRecord
 from workflows.types import machine_workflow_id
 
@@ -51,3 +54,13 @@ async def _matches(bmdb: BMDB, name: str) -> list[MachineRecord]:
     if len(name) >= MIN_ID_PREFIX and _ID_PREFIX.match(name):
         found += await bmdb.machines_with_id_prefix(name.lower(), limit=_SHOWN_CANDIDATES + 1)
     return found
+
+
+async def describe_workflow(client: Client, workflow_id: str) -> WorkflowExecutionDescription | None:
+    """The latest run of the workflow, or None when none ever ran under that id."""
+    try:
+        return await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB
-from shepherd.machine_ref import MachineNotFound, resolve_machine
+from shepherd.machine_ref import MachineNotFound, describe_workflow, resolve_machine
 from workflows.types import (
     FORCE_RECOVER_SIGNAL,
     MACHINE_WORKFLOW_TYPE,
@@ -48,12 +47,9 @@ def check_reason(text: str) -> str:
 
 
 async def _machine_workflow_exists(client: Client, workflow_id: str) -> bool:
-    try:
-        description = await client.get_workflow_handle(workflow_id).describe()
-    except RPCError as error:
-        if error.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
+    description = await describe_workflow(client, workflow_id)
+    if description is None:
+        return False
     if description.workflow_type != MACHINE_WORKFLOW_TYPE:
         raise RecoverError(f"{workflow_id} is a {description.workflow_type} workflow, not a machine's")
     return True
@@ -78,14 +74,9 @@ async def request_recovery(client: Client, open_bmdb: Callable[[], Awaitable[BMD
     reason = check_reason(request.reason)
     workflow_id = await find_machine_workflow(client, open_bmdb, request.machine)
     handle = client.get_workflow_handle(workflow_id)
-    try:
-        description = await handle.describe()
-    except RPCError as error:
-        if error.status != RPCStatusCode.NOT_FOUND:
-            raise
-        raise RecoverError(
-            f"{workflow_id} has never run; the next fleet pass starts it, then recover it again"
-        ) from None
+    description = await describe_workflow(client, workflow_id)
+    if description is None:
+        raise RecoverError(f"{workflow_id} has never run; the next fleet pass starts it, then recover it again")
     if description.status != WorkflowExecutionStatus.RUNNING:
         state = description.status.name if description.status else "not running"
         raise RecoverError(

@@ -14,11 +14,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
 from temporalio.client import Client
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from bmdb.store import BMDB, MachineRecord
-from shepherd.fleet_view import age
-from shepherd.machine_ref import resolve_machine
+from shepherd.fleet_view import age, record_json
+from shepherd.machine_ref import describe_workflow, resolve_machine
 from workflows.types import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
 
 _QUERY_TIMEOUT = timedelta(seconds=5)
@@ -40,12 +40,8 @@ async def machine_detail(client: Client, bmdb: BMDB, name: str) -> MachineDetail
     record = await resolve_machine(bmdb, name)
     recoveries = (await bmdb.recovery_counts(record.machine_id)).get(record.machine_id, 0)
     workflow_id = machine_workflow_id(record.provider, record.provider_id)
-    handle = client.get_workflow_handle(workflow_id)
-    try:
-        description = await handle.describe()
-    except RPCError as error:
-        if error.status != RPCStatusCode.NOT_FOUND:
-            raise
+    description = await describe_workflow(client, workflow_id)
+    if description is None:
         missing = "the workflow has not been started; the next fleet pass starts it"
         return MachineDetail(record, recoveries, workflow_id, "NOT STARTED", None, missing)
     state = description.status.name if description.status else "UNKNOWN"
@@ -56,7 +52,9 @@ async def machine_detail(client: Client, bmdb: BMDB, name: str) -> MachineDetail
         missing = "the workflow is not running; the next fleet pass starts it again"
         return MachineDetail(record, recoveries, workflow_id, state, None, missing)
     try:
-        status = await handle.query(STATUS_QUERY, result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT)
+        status = await client.get_workflow_handle(workflow_id).query(
+            STATUS_QUERY, result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT
+        )
     except RPCError as error:
         missing = f"no worker answered the status query ({error.message or error.status.name})"
         return MachineDetail(record, recoveries, workflow_id, state, None, missing)
@@ -117,25 +115,10 @@ def format_detail(detail: MachineDetail, now: datetime) -> list[str]:
 
 
 def detail_json(detail: MachineDetail) -> dict[str, Any]:
-    record = detail.record
-
-    def when(at: datetime | None) -> str | None:
-        return at.isoformat() if at else None
-
-    return {
-        "provider": record.provider,
-        "provider_id": record.provider_id,
-        "machine_id": str(record.machine_id),
-        "workflow_id": detail.workflow_id,
+    return record_json(detail.record, detail.recoveries) | {
         "workflow_state": detail.workflow_state,
         "status": None if detail.status is None else asdict(detail.status),
         "status_missing": detail.status_missing,
-        "address": record.address,
-        "ssh_port": record.ssh_port,
-        "bmdb_status": record.status,
-        "agent_started_at": when(record.agent_started_at),
-        "last_heartbeat_at": when(record.agent_heartbeat_at),
-        "recoveries": detail.recoveries,
     }
 
 

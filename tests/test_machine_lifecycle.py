@@ -68,6 +68,15 @@ class FakeMachineActivities:
         return AgentFacts(started_at="2026-01-01T00:00:00+00:00", key_fingerprint="SHA256:x")
 
 
+async def start_machine(env, queue: str, policy: LifecyclePolicy) -> Any:
+    return await env.client.start_workflow(
+        MachineWorkflow.run,
+        MachineInput("sim", "node-0001", str(uuid.uuid4()), policy),
+        id=f"machine-sim-{uuid.uuid4()}",
+        task_queue=queue,
+    )
+
+
 async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities(agent_failures=4)
@@ -79,12 +88,7 @@ async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping
         workflows=[MachineWorkflow],
         activities=[fakes.provision_machine, fakes.start_agent],
     ):
-        handle = await env.client.start_workflow(
-            MachineWorkflow.run,
-            MachineInput("sim", "node-0001", str(uuid.uuid4()), policy),
-            id=f"machine-sim-{uuid.uuid4()}",
-            task_queue=queue,
-        )
+        handle = await start_machine(env, queue, policy)
         # Each failed attempt is followed by a wait of 300 s x 1.2^n.
         for failures in range(1, 5):
             await env.sleep(timedelta(seconds=1))
@@ -107,12 +111,7 @@ async def test_retry_now_ends_a_back_off_and_is_ignored_when_nothing_fails(time_
     fakes = FakeMachineActivities(agent_failures=2)
     policy = LifecyclePolicy(provision_backoff=Backoff(60, 3600, 1.2), agent_start_backoff=SEED_AGENT_BACKOFF)
     async with machine_worker(env, fakes, "retry-now") as queue:
-        handle = await env.client.start_workflow(
-            MachineWorkflow.run,
-            MachineInput("sim", "node-0001", str(uuid.uuid4()), policy),
-            id=f"machine-sim-{uuid.uuid4()}",
-            task_queue=queue,
-        )
+        handle = await start_machine(env, queue, policy)
         await env.sleep(timedelta(seconds=1))
         assert (await handle.query(MachineWorkflow.status)).attempts == 1
         await handle.signal(MachineWorkflow.retry_now, "pin reset")
@@ -149,12 +148,7 @@ async def machine_worker(env, fakes: FakeMachineActivities, purpose: str) -> Asy
 
 
 async def watching_machine(env, fakes: FakeMachineActivities, queue: str) -> Any:
-    handle = await env.client.start_workflow(
-        MachineWorkflow.run,
-        MachineInput("sim", "node-0001", str(uuid.uuid4()), FAST),
-        id=f"machine-sim-{uuid.uuid4()}",
-        task_queue=queue,
-    )
+    handle = await start_machine(env, queue, FAST)
     await env.sleep(timedelta(seconds=1))
     assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
     return handle
@@ -248,12 +242,7 @@ async def test_recovery_asked_for_before_the_agent_started_waits_for_it(time_ski
     env = time_skipping_env
     fakes = FakeMachineActivities(agent_failures=2)
     async with machine_worker(env, fakes, "early") as queue:
-        handle = await env.client.start_workflow(
-            MachineWorkflow.run,
-            MachineInput("sim", "node-0001", str(uuid.uuid4()), FAST),
-            id=f"machine-sim-{uuid.uuid4()}",
-            task_queue=queue,
-        )
+        handle = await start_machine(env, queue, FAST)
         await handle.signal("force_recover", {"reason": "early"})
         # A query can be answered before the workflow task carrying the signal has completed.
         for _ in range(50):
