@@ -74,16 +74,14 @@ class TakeoverActivities:
             # The workflow's back-off decides when to try again, as the seed's does.
             raise ApplicationError(str(error), type=error.failure.name, non_retryable=True) from error
 
-        if record.ssh_host_key is None:
-            await self.deps.bmdb.pin_host_key(machine_id, result.host_key)
         started_at = datetime.now(UTC)
-        await self.deps.bmdb.record_agent_started(machine_id, started_at, result.agent_public_key)
-        self.deps.metrics.takeovers.add(1, {"outcome": "ok"})
         facts = _facts(started_at, result.agent_public_key, list(result.warnings))
         detail = f"agent key {facts.key_fingerprint}"
         if facts.warnings:
             detail += "; warnings: " + "; ".join(facts.warnings)
-        await self.deps.bmdb.add_event(machine_id, "agent_started", detail)
+        # Pins the host key at first contact; a pinned one was checked in the SSH handshake.
+        await self.deps.bmdb.record_takeover(machine_id, started_at, result.agent_public_key, result.host_key, detail)
+        self.deps.metrics.takeovers.add(1, {"outcome": "ok"})
         log.info("agent started on %s machine %s (%s)", input.provider, input.provider_id, detail)
         return facts
 

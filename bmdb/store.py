@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import DateTime, String, and_, cast, delete, func, insert, literal, or_, select, update
+from sqlalchemy import DateTime, String, cast, delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -265,23 +265,6 @@ class BMDB:
                 for r in await conn.execute(query)
             ]
 
-    async def pin_host_key(self, machine_id: uuid.UUID, host_key: str) -> str:
-        """Pin the SSH host key if none is pinned yet; returns the pinned key."""
-        async with self.engine.begin() as conn:
-            await conn.execute(
-                update(machine_provided)
-                .where(and_(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key.is_(None)))
-                .values(ssh_host_key=host_key)
-            )
-            row = (
-                await conn.execute(
-                    select(machine_provided.c.ssh_host_key).where(machine_provided.c.machine_id == machine_id)
-                )
-            ).first()
-            if row is None:
-                raise KeyError(f"BMDB has no provided record for machine {machine_id}")
-            return str(row.ssh_host_key)
-
     async def reset_host_key(self, machine_id: uuid.UUID, pinned: str, detail: str) -> bool:
         """Forget the pinned SSH host key, if it still is `pinned`, logging a host_key_reset event with detail.
 
@@ -301,18 +284,25 @@ class BMDB:
     # --- agent ---------------------------------------------------------------
 
     async def record_agent_started(self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> None:
-        statement = pg_insert(machine_agent_started).values(
-            machine_id=machine_id, agent_started_at=started_at, agent_public_key=public_key
-        )
-        statement = statement.on_conflict_do_update(
-            index_elements=[machine_agent_started.c.machine_id],
-            set_={
-                "agent_started_at": statement.excluded.agent_started_at,
-                "agent_public_key": statement.excluded.agent_public_key,
-            },
-        )
         async with self.engine.begin() as conn:
-            await conn.execute(statement)
+            await conn.execute(_agent_started(machine_id, started_at, public_key))
+
+    async def record_takeover(
+        self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes, host_key: str, detail: str
+    ) -> None:
+        """Record a takeover in one transaction: the host key pinned unless one is, the agent, an agent_started event.
+
+        One transaction, so an activity that dies on the way leaves all or
+        nothing, and its retry, which finds the agent recorded, loses no event.
+        """
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(machine_provided)
+                .where(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key.is_(None))
+                .values(ssh_host_key=host_key)
+            )
+            await conn.execute(_agent_started(machine_id, started_at, public_key))
+            await conn.execute(insert(events).values(machine_id=machine_id, kind="agent_started", detail=detail))
 
     async def agent_public_key(self, machine_id: uuid.UUID) -> bytes | None:
         """The key the machine's running agent reported at takeover, if an agent runs."""
@@ -457,3 +447,16 @@ def redact_url(url: str) -> str:
     credentials, _, host = rest.rpartition("@")
     user = credentials.split(":", 1)[0]
     return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+
+
+def _agent_started(machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> Any:
+    statement = pg_insert(machine_agent_started).values(
+        machine_id=machine_id, agent_started_at=started_at, agent_public_key=public_key
+    )
+    return statement.on_conflict_do_update(
+        index_elements=[machine_agent_started.c.machine_id],
+        set_={
+            "agent_started_at": statement.excluded.agent_started_at,
+            "agent_public_key": statement.excluded.agent_public_key,
+        },
+    )

@@ -67,10 +67,18 @@ async def test_record_provided_of_unknown_machine_is_an_error(bmdb):
         await bmdb.record_provided(uuid.uuid4(), address=None, ssh_port=None, location=None)
 
 
-async def test_host_key_pin_is_set_once(bmdb):
+async def test_takeover_pins_the_first_host_key_and_logs_every_start(bmdb):
     machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
-    assert await bmdb.pin_host_key(machine_id, "ssh-ed25519 AAAAfirst") == "ssh-ed25519 AAAAfirst"
-    assert await bmdb.pin_host_key(machine_id, "ssh-ed25519 AAAAsecond") == "ssh-ed25519 AAAAfirst"
+    await bmdb.record_provided(machine_id, address="127.0.0.1", ssh_port=2222, location=None)
+    first, second = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC)
+    await bmdb.record_takeover(machine_id, first, b"a" * 32, "ssh-ed25519 AAAAfirst", "agent key A")
+    await bmdb.record_takeover(machine_id, second, b"b" * 32, "ssh-ed25519 AAAAsecond", "agent key B")
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None
+    assert record.ssh_host_key == "ssh-ed25519 AAAAfirst"
+    assert (record.agent_started_at, record.agent_public_key) == (second, b"b" * 32)
+    started = [e.detail for e in await bmdb.list_events(machine_id) if e.kind == "agent_started"]
+    assert started == ["agent key B", "agent key A"]
 
 
 async def test_agent_started_is_an_upsert(bmdb):
