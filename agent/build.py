@@ -33,15 +33,21 @@ SOURCES: dict[str, Path] = {
     "proto/agent_api_pb2.py": Path(proto.__file__).with_name("agent_api_pb2.py"),
 }
 ENTRY_POINT = "import sys\n\nfrom agent.reference import main\n\nsys.exit(main())\n"
+# The same agent, told to answer the takeover and exit: what a host running a
+# thousand simulated machines can hold (see bench/bringup.py).
+NO_HEARTBEATS_ENTRY_POINT = (
+    "import os\nimport sys\n\nfrom agent.reference import HEARTBEATS_VARIABLE, main\n\n"
+    'os.environ[HEARTBEATS_VARIABLE] = "off"\nsys.exit(main())\n'
+)
 # Fixed timestamps and modes: the same sources always give the same bytes.
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 ZIP_FILE_MODE = 0o644
 
 
-def agent_archive() -> bytes:
+def agent_archive(*, heartbeats: bool = True) -> bytes:
     """The zip archive (without shebang): the sources and a __main__ that runs the reference agent."""
     members = {name: source.read_bytes() for name, source in SOURCES.items()}
-    members["__main__.py"] = ENTRY_POINT.encode()
+    members["__main__.py"] = (ENTRY_POINT if heartbeats else NO_HEARTBEATS_ENTRY_POINT).encode()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         for name in sorted(members):
@@ -53,11 +59,14 @@ def agent_archive() -> bytes:
     return buffer.getvalue()
 
 
-def build_agent_executable(out_path: Path, python: str = sys.executable) -> Path:
-    """Write the agent executable to out_path: mode 0755, written atomically; returns out_path."""
+def build_agent_executable(out_path: Path, python: str = sys.executable, *, heartbeats: bool = True) -> Path:
+    """Write the agent executable to out_path: mode 0755, written atomically; returns out_path.
+
+    Without heartbeats the agent answers the takeover and exits.
+    """
     executable = io.BytesIO()
     # zipapp adds the shebang line to the ready-made archive.
-    zipapp.create_archive(io.BytesIO(agent_archive()), executable, interpreter=python)
+    zipapp.create_archive(io.BytesIO(agent_archive(heartbeats=heartbeats)), executable, interpreter=python)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     temporary = Path(temporary_name)
@@ -78,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.build", description="Build the reference agent executable.")
     parser.add_argument("out", type=Path, help="where to write the executable")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the shebang (default: this one)")
+    parser.add_argument(
+        "--no-heartbeats", action="store_true", help="answer the takeover and exit, sending no heartbeats"
+    )
     args = parser.parse_args(argv)
-    print(build_agent_executable(args.out, args.python))
+    print(build_agent_executable(args.out, args.python, heartbeats=not args.no_heartbeats))
     return 0
 
 

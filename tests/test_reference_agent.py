@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent import build
 from agent.build import build_agent_executable
-from agent.reference import HEARTBEATS_VARIABLE, KEY_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
+from agent.reference import HEARTBEATS_VARIABLE, KEY_FILE, LOG_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
 from proto import takeover_pb2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,3 +112,43 @@ def test_build_command_line(tmp_path):
     )
     assert completed.stdout.decode().strip() == str(out)
     assert out.read_bytes().startswith(b"#!/usr/bin/python3\n")
+
+
+def processes_with(variable: str, value: str) -> list[int]:
+    """Pids of the processes whose environment sets variable to value."""
+    marker = f"{variable}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_agent_built_without_heartbeats_answers_and_leaves_nothing_running(tmp_path):
+    executable = tmp_path / "build" / "agent"
+    subprocess.run(
+        [sys.executable, "-m", "agent.build", str(executable), "--no-heartbeats"],
+        capture_output=True,
+        timeout=60,
+        check=True,
+        cwd=REPO,
+    )
+    state = tmp_path / "state"
+    init = takeover_pb2.TakeoverInit(machine_id="m-5", endpoint="127.0.0.1:1")
+    # No HEARTBEATS_VARIABLE here: the build alone must switch the heartbeats off.
+    completed = subprocess.run(
+        [str(executable)],
+        input=init.SerializeToString(),
+        capture_output=True,
+        timeout=60,
+        env=bare_env(**{STATE_DIR_VARIABLE: str(state)}),
+    )
+    assert completed.returncode == 0, completed.stderr.decode()
+    assert takeover_pb2.TakeoverResponse.FromString(completed.stdout).success.init_message == init
+    # A detaching agent forks before it exits, so its daemon would exist by now.
+    assert processes_with(STATE_DIR_VARIABLE, str(state)) == []
+    assert not (state / LOG_FILE).exists()
