@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
+from typing import TypeVar
 
 from temporalio import activity
 from temporalio.service import RPCError
 
 from activities.deps import ActivityDeps, provider_errors
 from activities.workflow_start import start_machine_workflow
+from bmdb.store import ProvidedMachine, SilentMachine
 from shepherd.reconcile import plan_reconcile
 from workflows.types import (
     HEARTBEAT_LOST_SIGNAL,
@@ -29,6 +32,24 @@ log = logging.getLogger(__name__)
 # How many disagreeing machines a pass names in its result; the event log and
 # the worker's log name them all.
 _DISAGREEMENTS_SHOWN = 20
+# Temporal calls a pass makes at once: a start or a signal is a few milliseconds
+# of waiting on the server, so one at a time paces a pass that starts or signals
+# hundreds (after a worker outage, a fleet-wide network loss) to a dozen a second.
+TEMPORAL_CALLS_IN_FLIGHT = 20
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+async def each_at_most(items: Sequence[T], limit: int, act: Callable[[T], Awaitable[R]]) -> list[R]:
+    """act on every item, at most limit at once; the results in the items' order."""
+    slots = asyncio.Semaphore(limit)
+
+    async def one(item: T) -> R:
+        async with slots:
+            return await act(item)
+
+    return list(await asyncio.gather(*(one(item) for item in items)))
 
 
 class FleetActivities:
@@ -78,16 +99,18 @@ class FleetActivities:
             first_heartbeat_within=input.first_heartbeat_within,
             heartbeat_within=input.heartbeat_within,
         )
-        signalled = []
-        for machine in silent:
+
+        async def signal(machine: SilentMachine) -> str | None:
             handle = self.deps.client.get_workflow_handle(machine_workflow_id(input.provider, machine.provider_id))
             try:
                 await handle.signal(HEARTBEAT_LOST_SIGNAL, machine.cause())
             except RPCError as error:
                 # No running workflow: the ensure step of this pass starts one.
                 log.warning("cannot signal %s: %s", handle.id, error)
-                continue
-            signalled.append(machine.provider_id)
+                return None
+            return machine.provider_id
+
+        signalled = [p for p in await each_at_most(silent, TEMPORAL_CALLS_IN_FLIGHT, signal) if p is not None]
         if signalled:
             log.info("agents silent on %d machine(s): %s", len(signalled), ", ".join(signalled[:20]))
         return signalled
@@ -109,16 +132,18 @@ class FleetActivities:
         query = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
         async for execution in self.deps.client.list_workflows(query):
             running.add(execution.id)
-        started = []
-        for machine in in_bmdb:
-            if machine_workflow_id(input.provider, machine.provider_id) in running:
-                continue
+
+        async def start(machine: ProvidedMachine) -> str | None:
             activity.heartbeat(machine.provider_id)
             # Visibility lags behind starts, so "not listed" may still be running:
             # start_machine_workflow tells the two apart.
-            if await start_machine_workflow(
+            if not await start_machine_workflow(
                 self.deps.client, self.deps.settings, input.provider, machine.provider_id, str(machine.machine_id)
             ):
-                log.info("started the missing workflow of %s machine %s", input.provider, machine.provider_id)
-                started.append(machine.provider_id)
+                return None
+            log.info("started the missing workflow of %s machine %s", input.provider, machine.provider_id)
+            return machine.provider_id
+
+        missing = [m for m in in_bmdb if machine_workflow_id(input.provider, m.provider_id) not in running]
+        started = [p for p in await each_at_most(missing, TEMPORAL_CALLS_IN_FLIGHT, start) if p is not None]
         return EnsureWorkflowsResult(machines=len(in_bmdb), started=started)

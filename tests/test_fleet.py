@@ -16,6 +16,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.worker import Replayer
 
+from activities.fleet import each_at_most
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from shepherd.dev import settings_environment
@@ -255,3 +256,19 @@ def test_ages_in_the_machines_table_fit_six_characters():
         8639999: "99d23h",
     }
     assert age(None, now) == "-" and age(now + timedelta(seconds=5), now) == "0s"
+
+
+async def test_pass_calls_temporal_a_bounded_number_at_once_and_keeps_the_order():
+    in_flight = most = 0
+
+    async def call(n: int) -> int:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        # Later items finish first, so an order kept by finishing time would show.
+        await asyncio.sleep(0.001 * (50 - n))
+        in_flight -= 1
+        return n * 10
+
+    assert await each_at_most(list(range(50)), 7, call) == [n * 10 for n in range(50)]
+    assert most == 7
