@@ -1,0 +1,295 @@
+"""Benchmark: bringing machines up over SSH, Shepherd against raw asyncssh.
+
+Both variants take over the same number of simulated machines (the
+simulator's asyncssh servers, in the measuring process) with the same agent:
+the reference agent built without heartbeats, so it answers the takeover and
+exits (a thousand resident agents would not fit on one host). Each variant
+runs in a process of its own, so its peak memory is its own.
+
+raw       for every machine, asyncssh alone: connect with the key, upload the
+          agent over SFTP, run it with the TakeoverInit on standard input,
+          parse its TakeoverResponse; at most --concurrency at once. The
+          machines are created through the provider API beforehand, untimed.
+shepherd  the machines are admitted to BMDB and created with their workflow
+          id as idempotency key (untimed); then every machine's
+          MachineWorkflow is started on a Temporal dev server, and a worker
+          with --concurrency activity slots provisions it (provider API, which
+          finds it created, and BMDB) and takes it over (SSH, BMDB), as in
+          production. Timed until BMDB holds every agent's start.
+
+Left out on purpose: a fleet pass admits one machine per
+device_creation_interval and at most chunk_size a pass, the provider's rate
+limit; this measures what the worker does once machines are admitted (after a
+fleet-wide recovery, or with those limits raised). Run:
+
+    python -m bench.bringup [--machines 1000] [--concurrency 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import asyncssh
+
+from agent.build import build_agent_executable
+from proto import takeover_pb2
+from providers.sim import SimProvider
+from shepherd.settings import Settings
+from shepherd.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from simulator import Simulator, SimulatorConfig
+
+DEFAULTS = Settings()
+PROVIDER = "sim"
+PROGRESS_POLL = 0.5
+START_CONCURRENCY = 50
+LIMIT_SECONDS = 1800.0
+# Told to the agents, which send no heartbeats: nothing listens there.
+ENDPOINT = "127.0.0.1:9"
+
+
+@dataclass
+class Outcome:
+    variant: str
+    machines: int
+    concurrency: int
+    seconds: float
+    failed_attempts: int
+    peak_rss_mib: float
+    # CPU seconds of this process (SSH both ends, the worker) and of the agents it ran, while timed.
+    cpu_process: float
+    cpu_agents: float
+    p50: float | None = None
+    p99: float | None = None
+
+
+def raise_file_limit() -> None:
+    # A thousand machines hold a listening socket each, and both ends of every SSH session are here.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU time so far of this process and of its waited-for children (the agents)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def simulator(tmp: Path, machines: int) -> Simulator:
+    return Simulator(SimulatorConfig(machines=machines, state_dir=tmp / "sim", api_port=0))
+
+
+async def raw_takeover(
+    address: str, port: int, key: asyncssh.SSHKey, agent: bytes, init: takeover_pb2.TakeoverInit
+) -> float:
+    started = time.perf_counter()
+    directory, name = DEFAULTS.agent_target_path.rsplit("/", 1)
+    upload = f"{directory}/.{name}.upload"
+    async with asyncssh.connect(
+        address, port, username="root", known_hosts=None, client_keys=[key], agent_path=None, config=[]
+    ) as connection:
+        async with connection.start_sftp_client() as sftp:
+            async with sftp.open(upload, "wb") as file:
+                await file.write(agent)
+            await sftp.chmod(upload, 0o755)
+            await sftp.posix_rename(upload, DEFAULTS.agent_target_path)
+        run = await connection.run(DEFAULTS.agent_target_path, input=init.SerializeToString(), encoding=None)
+    stdout = run.stdout if isinstance(run.stdout, bytes) else b""
+    response = takeover_pb2.TakeoverResponse.FromString(stdout)
+    if run.exit_status != 0 or response.WhichOneof("result") != "success" or len(response.success.key) != 32:
+        raise RuntimeError(f"{address}:{port}: the agent did not answer the takeover: {run.stderr!r}")
+    return time.perf_counter() - started
+
+
+async def measure_raw(tmp: Path, machines: int, concurrency: int, agent: bytes) -> Outcome:
+    key = load_or_create_ssh_key(tmp / "ssh_key")
+    sim = simulator(tmp, machines)
+    await sim.start()
+    provider = SimProvider(sim.api_url)
+    try:
+        created = [
+            await provider.create_machine(slot, str(uuid.uuid4()), public_key_openssh(key)) for slot in sim.slots
+        ]
+        slots = asyncio.Semaphore(concurrency)
+        failures = 0
+
+        async def one(address: str, port: int) -> float | None:
+            nonlocal failures
+            init = takeover_pb2.TakeoverInit(machine_id=str(uuid.uuid4()), endpoint=ENDPOINT)
+            async with slots:
+                try:
+                    return await raw_takeover(address, port, key, agent, init)
+                except (OSError, asyncssh.Error, RuntimeError) as error:
+                    print(f"raw takeover failed: {error}", file=sys.stderr)
+                    failures += 1
+                    return None
+
+        started, cpu_before = time.perf_counter(), cpu_seconds()
+        took = await asyncio.gather(*(one(m.address or "", m.ssh_port) for m in created))
+        seconds, cpu_after = time.perf_counter() - started, cpu_seconds()
+    finally:
+        await provider.close()
+        await sim.stop()
+    done = sorted(t for t in took if t is not None)
+    return Outcome(
+        "raw asyncssh",
+        machines,
+        concurrency,
+        seconds,
+        failures,
+        peak_rss_mib(),
+        cpu_after[0] - cpu_before[0],
+        cpu_after[1] - cpu_before[1],
+        p50=statistics.median(done) if done else None,
+        p99=done[math.ceil(len(done) * 0.99) - 1] if done else None,
+    )
+
+
+async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_path: Path, database_url: str) -> Outcome:
+    from temporalio.testing import WorkflowEnvironment
+
+    from activities.workflow_start import start_machine_workflow
+    from shepherd.dev import temporal_cli
+    from worker import build_deps, build_worker
+    from workflows.types import SEARCH_ATTRIBUTES, machine_workflow_id
+
+    sim = simulator(tmp, machines)
+    await sim.start()
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_cli(), search_attributes=SEARCH_ATTRIBUTES, dev_server_log_level="error"
+    )
+    try:
+        settings = Settings(
+            temporal_address=env.client.service_client.config.target_host,
+            task_queue="bench-bringup",
+            state_dir=tmp / "state",
+            sim_api_url=sim.api_url,
+            ssh_key_path=tmp / "ssh_key",
+            agent_executable_path=agent_path,
+            agent_endpoint=ENDPOINT,
+            max_concurrent_activities=concurrency,
+            # A failed step is tried again soon, so a failure costs seconds here, not the production back-off.
+            agent_start_backoff_initial=1.0,
+            agent_start_backoff_maximum=5.0,
+            provision_backoff_initial=1.0,
+            provision_backoff_maximum=5.0,
+        )
+        deps = await build_deps(settings, env.client, database_url)
+        try:
+            admitted = [await deps.bmdb.admit_machine(PROVIDER, slot) for slot in sim.slots]
+            # Created as provisioning creates them (same idempotency key), so the timed provisioning finds
+            # them made, and neither variant times the simulator making a machine.
+            for slot in sim.slots:
+                await deps.provider(PROVIDER).create_machine(
+                    slot, machine_workflow_id(PROVIDER, slot), deps.ssh_public_key
+                )
+            starts = asyncio.Semaphore(START_CONCURRENCY)
+
+            async def start(slot: str, machine_id: uuid.UUID) -> None:
+                async with starts:
+                    await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
+
+            async with build_worker(env.client, deps):
+                started, cpu_before = time.perf_counter(), cpu_seconds()
+                await asyncio.gather(*(start(slot, m) for slot, (m, _) in zip(sim.slots, admitted, strict=True)))
+                while (await deps.bmdb.count_by_status())["agent_started"] < machines:
+                    if time.perf_counter() - started > LIMIT_SECONDS:
+                        raise RuntimeError(f"not every agent started within {LIMIT_SECONDS:.0f}s")
+                    await asyncio.sleep(PROGRESS_POLL)
+                seconds, cpu_after = time.perf_counter() - started, cpu_seconds()
+            failures = sum(
+                [
+                    1
+                    for m, _ in admitted
+                    for event in await deps.bmdb.list_events(m)
+                    if event.kind == "agent_start_failed"
+                ]
+            )
+        finally:
+            await deps.close()
+    finally:
+        await env.shutdown()
+        await sim.stop()
+    return Outcome(
+        "shepherd",
+        machines,
+        concurrency,
+        seconds,
+        failures,
+        peak_rss_mib(),
+        cpu_after[0] - cpu_before[0],
+        cpu_after[1] - cpu_before[1],
+    )
+
+
+def run_variant(args: argparse.Namespace) -> Outcome:
+    from bmdb import migrate
+    from shepherd.postgres import LocalPostgres
+
+    raise_file_limit()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        agent_path = build_agent_executable(tmp / "agent", heartbeats=False)
+        if args.variant == "raw":
+            return asyncio.run(measure_raw(tmp, args.machines, args.concurrency, agent_path.read_bytes()))
+        with LocalPostgres(tmp / "pg") as url:
+            migrate.upgrade(url)
+            return asyncio.run(measure_shepherd(tmp, args.machines, args.concurrency, agent_path, url))
+
+
+def report(outcomes: list[Outcome]) -> None:
+    print(
+        f"{'variant':<13} {'machines':>8} {'in flight':>9} {'total':>7} {'per s':>6} {'p50':>6} {'p99':>6} "
+        f"{'failed':>6} {'CPU here':>8} {'agents':>7} {'peak RSS':>8}"
+    )
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}s"
+
+    for o in outcomes:
+        print(
+            f"{o.variant:<13} {o.machines:>8} {o.concurrency:>9} {o.seconds:>6.1f}s {o.machines / o.seconds:>6.1f} "
+            f"{seconds(o.p50):>6} {seconds(o.p99):>6} {o.failed_attempts:>6} "
+            f"{o.cpu_process:>7.1f}s {o.cpu_agents:>6.1f}s {o.peak_rss_mib:>5.0f}MiB"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bringup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--machines", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=DEFAULTS.max_concurrent_activities)
+    parser.add_argument("--variant", choices=["raw", "shepherd"], help="run one variant here and print it as JSON")
+    args = parser.parse_args()
+    if args.machines < 1 or args.concurrency < 1:
+        parser.error("--machines and --concurrency must be at least 1")
+    if args.variant:
+        print(json.dumps(asdict(run_variant(args))))
+        return
+    outcomes = []
+    for variant in ("raw", "shepherd"):
+        command = [sys.executable, "-m", "bench.bringup", "--machines", str(args.machines)]
+        command += ["--concurrency", str(args.concurrency), "--variant", variant]
+        completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+        outcomes.append(Outcome(**json.loads(completed.stdout.strip().splitlines()[-1])))
+    report(outcomes)
+
+
+if __name__ == "__main__":
+    main()
