@@ -90,6 +90,22 @@ def cpu_seconds() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
+class Stopwatch:
+    """Wall and CPU time from its creation to stop()."""
+
+    def __init__(self) -> None:
+        self.started, self.cpu_started = time.perf_counter(), cpu_seconds()
+        self.seconds, self.cpu = 0.0, (0.0, 0.0)
+
+    def stop(self) -> None:
+        own, agents = cpu_seconds()
+        self.seconds = time.perf_counter() - self.started
+        self.cpu = (own - self.cpu_started[0], agents - self.cpu_started[1])
+
+    def outcome(self, variant: str, machines: int, concurrency: int, failures: int, **latency: float) -> Outcome:
+        return Outcome(variant, machines, concurrency, self.seconds, failures, peak_rss_mib(), *self.cpu, **latency)
+
+
 def simulator(tmp: Path, machines: int) -> Simulator:
     return Simulator(SimulatorConfig(machines=machines, state_dir=tmp / "sim", api_port=0))
 
@@ -139,25 +155,15 @@ async def measure_raw(tmp: Path, machines: int, concurrency: int, agent: bytes) 
                     failures += 1
                     return None
 
-        started, cpu_before = time.perf_counter(), cpu_seconds()
+        stopwatch = Stopwatch()
         took = await asyncio.gather(*(one(m.address or "", m.ssh_port) for m in created))
-        seconds, cpu_after = time.perf_counter() - started, cpu_seconds()
+        stopwatch.stop()
     finally:
         await provider.close()
         await sim.stop()
     done = sorted(t for t in took if t is not None)
-    return Outcome(
-        "raw asyncssh",
-        machines,
-        concurrency,
-        seconds,
-        failures,
-        peak_rss_mib(),
-        cpu_after[0] - cpu_before[0],
-        cpu_after[1] - cpu_before[1],
-        p50=statistics.median(done) if done else None,
-        p99=done[math.ceil(len(done) * 0.99) - 1] if done else None,
-    )
+    latency = {"p50": statistics.median(done), "p99": done[math.ceil(len(done) * 0.99) - 1]} if done else {}
+    return stopwatch.outcome("raw asyncssh", machines, concurrency, failures, **latency)
 
 
 async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_path: Path, database_url: str) -> Outcome:
@@ -205,13 +211,13 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
                     await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
 
             async with build_worker(env.client, deps):
-                started, cpu_before = time.perf_counter(), cpu_seconds()
+                stopwatch = Stopwatch()
                 await asyncio.gather(*(start(slot, m) for slot, (m, _) in zip(sim.slots, admitted, strict=True)))
                 while (await deps.bmdb.count_by_status())["agent_started"] < machines:
-                    if time.perf_counter() - started > LIMIT_SECONDS:
+                    if time.perf_counter() - stopwatch.started > LIMIT_SECONDS:
                         raise RuntimeError(f"not every agent started within {LIMIT_SECONDS:.0f}s")
                     await asyncio.sleep(PROGRESS_POLL)
-                seconds, cpu_after = time.perf_counter() - started, cpu_seconds()
+                stopwatch.stop()
             failures = sum(
                 [
                     1
@@ -225,16 +231,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
     finally:
         await env.shutdown()
         await sim.stop()
-    return Outcome(
-        "shepherd",
-        machines,
-        concurrency,
-        seconds,
-        failures,
-        peak_rss_mib(),
-        cpu_after[0] - cpu_before[0],
-        cpu_after[1] - cpu_before[1],
-    )
+    return stopwatch.outcome("shepherd", machines, concurrency, failures)
 
 
 def run_variant(args: argparse.Namespace) -> Outcome:
