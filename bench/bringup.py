@@ -43,8 +43,10 @@ from pathlib import Path
 
 import asyncssh
 
+from activities.fleet import each_at_most
 from agent.build import build_agent_executable
 from proto import takeover_pb2
+from providers import ProviderMachine
 from providers.sim import SimProvider
 from shepherd.settings import Settings
 from shepherd.ssh_identity import load_or_create_ssh_key, public_key_openssh
@@ -141,22 +143,20 @@ async def measure_raw(tmp: Path, machines: int, concurrency: int, agent: bytes) 
         created = [
             await provider.create_machine(slot, str(uuid.uuid4()), public_key_openssh(key)) for slot in sim.slots
         ]
-        slots = asyncio.Semaphore(concurrency)
         failures = 0
 
-        async def one(address: str, port: int) -> float | None:
+        async def one(machine: ProviderMachine) -> float | None:
             nonlocal failures
             init = takeover_pb2.TakeoverInit(machine_id=str(uuid.uuid4()), endpoint=ENDPOINT)
-            async with slots:
-                try:
-                    return await raw_takeover(address, port, key, agent, init)
-                except (OSError, asyncssh.Error, RuntimeError) as error:
-                    print(f"raw takeover failed: {error}", file=sys.stderr)
-                    failures += 1
-                    return None
+            try:
+                return await raw_takeover(machine.address or "", machine.ssh_port, key, agent, init)
+            except (OSError, asyncssh.Error, RuntimeError) as error:
+                print(f"raw takeover failed: {error}", file=sys.stderr)
+                failures += 1
+                return None
 
         stopwatch = Stopwatch()
-        took = await asyncio.gather(*(one(m.address or "", m.ssh_port) for m in created))
+        took = await each_at_most(created, concurrency, one)
         stopwatch.stop()
     finally:
         await provider.close()
@@ -204,15 +204,15 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
                 await deps.provider(PROVIDER).create_machine(
                     slot, machine_workflow_id(PROVIDER, slot), deps.ssh_public_key
                 )
-            starts = asyncio.Semaphore(START_CONCURRENCY)
 
-            async def start(slot: str, machine_id: uuid.UUID) -> None:
-                async with starts:
-                    await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
+            async def start(slot_and_machine: tuple[str, uuid.UUID]) -> bool:
+                slot, machine_id = slot_and_machine
+                return await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
 
             async with build_worker(env.client, deps):
                 stopwatch = Stopwatch()
-                await asyncio.gather(*(start(slot, m) for slot, (m, _) in zip(sim.slots, admitted, strict=True)))
+                machine_ids = [machine_id for machine_id, _ in admitted]
+                await each_at_most(list(zip(sim.slots, machine_ids, strict=True)), START_CONCURRENCY, start)
                 while (await deps.bmdb.count_by_status())["agent_started"] < machines:
                     if time.perf_counter() - stopwatch.started > LIMIT_SECONDS:
                         raise RuntimeError(f"not every agent started within {LIMIT_SECONDS:.0f}s")

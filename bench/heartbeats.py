@@ -30,6 +30,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from activities.fleet import each_at_most
 from agent.heartbeat import NONCE_SIZE, signed_heartbeat, signing_payload
 from bmdb import migrate
 from bmdb.store import BMDB
@@ -61,18 +62,16 @@ class Results:
 
 async def register(bmdb: BMDB, count: int) -> list[Agent]:
     """Machines as they are after a takeover: admitted, provided, agent started with its key."""
-    slots = asyncio.Semaphore(REGISTER_CONCURRENCY)
 
     async def one(n: int) -> Agent:
-        async with slots:
-            machine_id, _ = await bmdb.admit_machine("sim", f"node-{n:06d}")
-            await bmdb.record_provided(machine_id, address="10.0.0.1", ssh_port=22, location="bench")
-            key = Ed25519PrivateKey.generate()
-            public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-            await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
-            return Agent(str(machine_id), key)
+        machine_id, _ = await bmdb.admit_machine("sim", f"node-{n:06d}")
+        await bmdb.record_provided(machine_id, address="10.0.0.1", ssh_port=22, location="bench")
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+        return Agent(str(machine_id), key)
 
-    return await asyncio.gather(*(one(n) for n in range(1, count + 1)))
+    return await each_at_most(range(1, count + 1), REGISTER_CONCURRENCY, one)
 
 
 async def heartbeat_back_to_back(
