@@ -34,16 +34,16 @@ from activities.recovery import RecoveryActivities
 from activities.takeover import TakeoverActivities
 from bmdb import migrate
 from bmdb.store import BMDB, BMDBUnavailable, redact_url
+from foundation.logs import LogContextInterceptor
+from foundation.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metrics_runtime
+from foundation.settings import Settings, SettingsError
+from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, SEARCH_ATTRIBUTES, FleetInput, MachineStage
 from providers import Provider
 from providers.sim import SimProvider
-from shepherd.fleet_view import RUNNING_MACHINES
-from shepherd.logs import LogContextInterceptor
-from shepherd.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metrics_runtime
-from shepherd.settings import Settings, SettingsError
-from shepherd.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from shepherd.commands.machines import RUNNING_MACHINES
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
-from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, SEARCH_ATTRIBUTES, FleetInput, MachineStage
 
 log = logging.getLogger("shepherd.worker")
 

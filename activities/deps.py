@@ -16,9 +16,9 @@ from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
 
 from bmdb.store import BMDB
+from foundation.metrics import WorkerMetrics
+from foundation.settings import Settings
 from providers import Provider, ProviderError
-from shepherd.metrics import WorkerMetrics
-from shepherd.settings import Settings
 
 
 @dataclass

@@ -14,8 +14,7 @@ from temporalio.service import RPCError
 from activities.deps import ActivityDeps, provider_errors
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import ProvidedMachine, SilentMachine
-from shepherd.reconcile import plan_reconcile
-from workflows.types import (
+from lifecycle.contracts import (
     HEARTBEAT_LOST_SIGNAL,
     MACHINE_WORKFLOW_TYPE,
     AdmitInput,
@@ -26,6 +25,7 @@ from workflows.types import (
     WatchdogInput,
     machine_workflow_id,
 )
+from lifecycle.reconcile import plan_reconcile
 
 log = logging.getLogger(__name__)
 

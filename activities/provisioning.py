@@ -9,7 +9,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
-from workflows.types import ProvisionInput, ProvisionResult
+from lifecycle.contracts import ProvisionInput, ProvisionResult
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import uuid
 from temporalio import activity
 
 from activities.deps import ActivityDeps, provider_errors
-from workflows.types import RebootInput
+from lifecycle.contracts import RebootInput
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
-from agent.takeover import TakeoverError, TakeoverSettings, TakeoverTarget, take_over
 from bmdb.store import MachineRecord
-from workflows.types import AgentFacts, StartAgentInput
+from lifecycle.contracts import AgentFacts, StartAgentInput
+from lifecycle.takeover import TakeoverError, TakeoverSettings, TakeoverTarget, take_over
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from shepherd.settings import Settings
-from workflows.types import MACHINE_WORKFLOW_TYPE, MachineInput, initial_search_attributes, machine_workflow_id
+from foundation.settings import Settings
+from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, MachineInput, initial_search_attributes, machine_workflow_id
 
 
 async def start_machine_workflow(

@@ -45,11 +45,11 @@ import asyncssh
 
 from activities.fleet import each_at_most
 from agent.build import build_agent_executable
+from foundation.settings import Settings
+from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from proto import takeover_pb2
 from providers import ProviderMachine
 from providers.sim import SimProvider
-from shepherd.settings import Settings
-from shepherd.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from simulator import Simulator, SimulatorConfig
 
 DEFAULTS = Settings()
@@ -170,9 +170,9 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
     from temporalio.testing import WorkflowEnvironment
 
     from activities.workflow_start import start_machine_workflow
-    from shepherd.dev import temporal_cli
+    from lifecycle.contracts import SEARCH_ATTRIBUTES, machine_workflow_id
+    from shepherd.commands.dev import temporal_cli
     from worker import build_deps, build_worker
-    from workflows.types import SEARCH_ATTRIBUTES, machine_workflow_id
 
     sim = simulator(tmp, machines)
     await sim.start()
@@ -236,7 +236,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
 
 def run_variant(args: argparse.Namespace) -> Outcome:
     from bmdb import migrate
-    from shepherd.postgres import LocalPostgres
+    from bmdb.local_postgres import LocalPostgres
 
     raise_file_limit()
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -33,12 +33,12 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from activities.fleet import each_at_most
 from agent.heartbeat import NONCE_SIZE, signed_heartbeat, signing_payload
 from bmdb import migrate
+from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
+from foundation.settings import Settings
+from foundation.tls import local_certificates
+from heartbeat_server import HeartbeatService, build_server
 from proto import agent_api_pb2, agent_api_pb2_grpc
-from shepherd.heartbeat_server import HeartbeatService, build_server
-from shepherd.postgres import LocalPostgres
-from shepherd.settings import Settings
-from shepherd.tls import local_certificates
 
 DEFAULTS = Settings()
 # Registration is three short transactions per machine; about the BMDB pool's size keeps it busy without queueing.

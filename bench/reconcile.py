@@ -18,11 +18,11 @@ from pathlib import Path
 import psycopg
 
 from bmdb import migrate
+from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB, ProvidedMachine
+from lifecycle.reconcile import plan_reconcile
 from providers import Availability, ProviderMachine
 from providers.sim import SimProvider
-from shepherd.postgres import LocalPostgres
-from shepherd.reconcile import plan_reconcile
 
 
 def listings(count: int) -> tuple[list[ProviderMachine], list[ProvidedMachine]]:

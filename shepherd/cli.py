@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from temporalio.service import RPCError
 
 from bmdb.store import BMDB, BMDBUnavailable
-from shepherd.logs import configure_logging
-from shepherd.settings import Settings, SettingsError, parse_duration
+from foundation.logs import configure_logging
+from foundation.settings import Settings, SettingsError, parse_duration
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -52,7 +52,7 @@ def _positive_int(text: str) -> int:
 
 
 def _reason_arg(text: str) -> str:
-    from shepherd.recover import check_reason
+    from shepherd.commands.recover import check_reason
 
     try:
         return check_reason(text)
@@ -64,8 +64,8 @@ MACHINE_HELP = "BMDB machine id (or a unique prefix), provider id or workflow id
 
 
 def _stage_arg(text: str) -> str:
-    from shepherd.fleet_view import NO_WORKFLOW
-    from workflows.types import MachineStage
+    from lifecycle.contracts import MachineStage
+    from shepherd.commands.machines import NO_WORKFLOW
 
     stages = [stage.value for stage in MachineStage] + [NO_WORKFLOW]
     if text.upper() not in stages:
@@ -185,7 +185,7 @@ def database(settings: Settings) -> Iterator[str]:
     if settings.database_url:
         yield settings.database_url
         return
-    from shepherd.postgres import LocalPostgres
+    from bmdb.local_postgres import LocalPostgres
 
     with LocalPostgres(settings.state_dir / "postgres") as url:
         yield url
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fleet" and args.note and not (args.pause or args.resume):
         parser.error("--note goes with --pause or --resume")
     if args.command == "dev":
-        from shepherd.dev import DevOptions
+        from shepherd.commands.dev import DevOptions
 
         try:
             args.dev_options = DevOptions(
@@ -237,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_format, verbose=args.verbose)
     try:
         if args.command == "dev":
-            from shepherd.dev import run_dev
+            from shepherd.commands.dev import run_dev
 
             return run_dev(settings, args.dev_options)
         if args.command == "config":
@@ -292,7 +292,7 @@ def _worker(settings: Settings) -> int:
 
 
 def _heartbeat_server(settings: Settings) -> int:
-    from shepherd.heartbeat_server import run_heartbeat_server
+    from heartbeat_server import run_heartbeat_server
 
     settings.check_heartbeat_server()
     with database(settings) as url:
@@ -304,7 +304,7 @@ def _heartbeat_server(settings: Settings) -> int:
 
 
 def _machines(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.fleet_view import MachineFilter, print_machines
+    from shepherd.commands.machines import MachineFilter, print_machines
 
     only = MachineFilter(stage=args.stage, provider=args.provider)
     with database(settings) as url:
@@ -325,7 +325,7 @@ def _with_bmdb(
 
     A machine not found, or one of errors, ends the command with its message.
     """
-    from shepherd.machine_ref import MachineNotFound
+    from shepherd.commands.machine_ref import MachineNotFound
     from worker import open_bmdb
 
     async def run(url: str) -> T:
@@ -345,7 +345,7 @@ def _with_bmdb(
 
 
 def _events(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.events_view import print_events
+    from shepherd.commands.events import print_events
 
     return _with_bmdb(
         settings, _no_temporal, lambda _, bmdb: print_events(bmdb, args.machine, args.limit, as_json=args.json)
@@ -353,7 +353,7 @@ def _events(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _reset_host_key(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.host_key import HostKeyError, reset_host_key
+    from shepherd.commands.reset_host_key import HostKeyError, reset_host_key
     from worker import connect_temporal
 
     # Temporal first: a pin is not reset when the workflow cannot be told.
@@ -368,7 +368,7 @@ def _reset_host_key(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _status(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.status_view import print_status
+    from shepherd.commands.status import print_status
     from worker import connect_temporal
 
     return _with_bmdb(
@@ -379,7 +379,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _fleet(settings: Settings, args: argparse.Namespace) -> int:
-    from shepherd.fleet_control import FleetAction, FleetError, print_fleet
+    from shepherd.commands.fleet import FleetAction, FleetError, print_fleet
     from worker import connect_temporal
 
     action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note)
@@ -395,7 +395,7 @@ def _fleet(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _recover(settings: Settings, machine: str, reason: str) -> int:
-    from shepherd.recover import RecoverError, RecoverRequest, request_recovery
+    from shepherd.commands.recover import RecoverError, RecoverRequest, request_recovery
     from worker import connect_temporal, open_bmdb
 
     async def recover(url_of_bmdb: Callable[[], str]) -> str:
@@ -412,7 +412,7 @@ def _recover(settings: Settings, machine: str, reason: str) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from shepherd.settings import effective_settings
+    from foundation.settings import effective_settings
 
     settings, sources = resolve_settings(args)
     settings.check()

@@ -8,9 +8,9 @@ import signal
 import sys
 from pathlib import Path
 
-from shepherd.logs import configure_logging
-from shepherd.metrics import meter_of, metrics_runtime
-from shepherd.settings import LOG_FORMATS, SettingsError, check_listen_address
+from foundation.logs import configure_logging
+from foundation.metrics import meter_of, metrics_runtime
+from foundation.settings import LOG_FORMATS, SettingsError, check_listen_address
 from simulator.server import Simulator
 from simulator.state import Faults, SimulatorConfig
 

@@ -21,9 +21,9 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from bmdb import migrate
+from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
-from shepherd.postgres import LocalPostgres
-from workflows.types import SEARCH_ATTRIBUTES
+from lifecycle.contracts import SEARCH_ATTRIBUTES
 
 BIN = Path(sys.executable).parent
 TEMPLATE_DB = "bmdb_template"

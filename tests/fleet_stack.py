@@ -22,14 +22,14 @@ from temporalio.worker import Worker
 from activities.deps import ActivityDeps
 from agent.build import build_agent_executable
 from bmdb.store import BMDB
-from shepherd.heartbeat_server import HeartbeatService, build_server
-from shepherd.settings import Settings
-from shepherd.tls import local_certificates
+from foundation.settings import Settings
+from foundation.tls import local_certificates
+from heartbeat_server import HeartbeatService, build_server
+from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, machine_workflow_id
 from simulator import Faults, Simulator, SimulatorConfig
 from worker import build_deps, build_worker, fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
-from workflows.types import FleetPassResult, MachineStage, MachineStatus, machine_workflow_id
 
 
 def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **overrides: Any) -> Settings:
@@ -70,7 +70,7 @@ class FleetStack:
 
     def environment(self, bmdb_url: str) -> dict[str, str]:
         """SHEPHERD_* variables that point a `shepherd` command at this stack."""
-        from shepherd.dev import settings_environment
+        from shepherd.commands.dev import settings_environment
 
         return {**settings_environment(self.settings), "SHEPHERD_DATABASE_URL": bmdb_url}
 

@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from agent.build import build_agent_executable
 from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
+from foundation.tls import local_certificates
+from heartbeat_server import HeartbeatService, build_server
 from proto import takeover_pb2
-from shepherd.heartbeat_server import HeartbeatService, build_server
-from shepherd.tls import local_certificates
 from tests.processes import kill_processes_mentioning
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from foundation.settings import _NON_SETTING_VARIABLES, Settings, SettingsError, describe, parse_duration
 from shepherd.cli import build_parser
-from shepherd.settings import _NON_SETTING_VARIABLES, Settings, SettingsError, describe, parse_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -19,14 +19,14 @@ from temporalio.worker import Replayer
 from activities.fleet import each_at_most
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
-from shepherd.dev import settings_environment
-from shepherd.fleet_view import age, print_machines
+from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
+from shepherd.commands.dev import settings_environment
+from shepherd.commands.machines import age, print_machines
 from simulator import Faults
 from tests.fleet_stack import fleet_stack
 from worker import fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
-from workflows.types import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
 
 
 def nodes(count: int) -> list[str]:

@@ -21,8 +21,7 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from workflows.machine import MachineWorkflow
-from workflows.types import (
+from lifecycle.contracts import (
     AgentFacts,
     Backoff,
     LifecyclePolicy,
@@ -33,6 +32,7 @@ from workflows.types import (
     RebootInput,
     StartAgentInput,
 )
+from workflows.machine import MachineWorkflow
 
 SEED_AGENT_BACKOFF = Backoff(initial=300.0, maximum=4 * 3600.0, multiplier=1.2)
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import aiohttp
 
-from shepherd.logs import ContextFilter, JsonFormatter, TextFormatter
-from shepherd.metrics import meter_of, metrics_runtime
-from shepherd.tls import local_certificates
+from foundation.logs import ContextFilter, JsonFormatter, TextFormatter
+from foundation.metrics import meter_of, metrics_runtime
+from foundation.tls import local_certificates
+from lifecycle.contracts import MachineStage
 from simulator import Faults
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
 from tests.test_recovery import wait_for
-from workflows.types import MachineStage
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -9,8 +9,8 @@ import pytest
 
 from bmdb.schema import PROVIDED_STATUS_CREATING, PROVIDED_STATUS_PROVIDED
 from bmdb.store import ProvidedMachine
+from lifecycle.reconcile import plan_reconcile, resolve_availability
 from providers import Availability, ProviderMachine
-from shepherd.reconcile import plan_reconcile, resolve_availability
 
 USED, UNUSED, POSSIBLY = Availability.KNOWN_USED, Availability.KNOWN_UNUSED, Availability.POSSIBLY_USED
 

@@ -9,9 +9,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from lifecycle.contracts import MachineStage
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
-from workflows.types import MachineStage
 
 NAMES = "a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"
 WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}

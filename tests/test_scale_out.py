@@ -7,10 +7,10 @@ from collections import Counter
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from lifecycle.contracts import MachineStage
 from tests.fleet_stack import fleet_stack
 from tests.test_fleet import nodes, sim_admin
 from worker import build_deps, build_worker
-from workflows.types import MachineStage
 
 
 async def test_two_workers_bring_a_fleet_up_handling_each_machine_once(tmp_path, temporal_client, bmdb_url, bmdb):

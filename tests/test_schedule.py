@@ -4,9 +4,9 @@ from datetime import timedelta
 
 from temporalio.client import ScheduleActionStartWorkflow, ScheduleOverlapPolicy
 
-from shepherd.settings import Settings
+from foundation.settings import Settings
+from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
 from worker import ensure_fleet_schedule
-from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
 
 
 async def test_schedule_is_created_then_updated_keeping_an_operators_pause(temporal_client):

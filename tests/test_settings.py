@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.settings import Settings, SettingsError, parse_duration
+from foundation.settings import Settings, SettingsError, parse_duration
 
 
 def test_defaults_are_the_seeds():

@@ -1,7 +1,7 @@
 import asyncssh
 import pytest
 
-from shepherd.ssh_identity import SSHIdentityError, load_or_create_ssh_key, public_key_openssh
+from foundation.ssh_identity import SSHIdentityError, load_or_create_ssh_key, public_key_openssh
 
 
 def test_created_owner_only_when_absent_and_loaded_again(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 
 from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
-from agent.takeover import (
+from lifecycle.takeover import (
     MAX_REPLY_SIZE,
     TakeoverError,
     TakeoverFailure,

@@ -17,8 +17,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
-    from workflows.machine import describe_failure
-    from workflows.types import (
+    from lifecycle.contracts import (
         AdmitInput,
         EnsureWorkflowsInput,
         FleetInput,
@@ -26,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         ReconcilePassInput,
         WatchdogInput,
     )
+    from workflows.machine import describe_failure
 
 _LISTING_TIMEOUT = timedelta(minutes=5)
 _RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=5)

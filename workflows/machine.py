@@ -27,7 +27,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.provisioning import ProvisioningActivities
     from activities.recovery import RecoveryActivities
     from activities.takeover import TakeoverActivities
-    from workflows.types import (
+    from lifecycle.contracts import (
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
         RETRY_NOW_SIGNAL,

@@ -13,14 +13,14 @@ from datetime import timedelta
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from bmdb.store import BMDB
-from shepherd.machine_ref import MachineNotFound, describe_workflow, resolve_machine
-from workflows.types import (
+from lifecycle.contracts import (
     FORCE_RECOVER_SIGNAL,
     MACHINE_WORKFLOW_TYPE,
     STATUS_QUERY,
     MachineStatus,
     machine_workflow_id,
 )
+from shepherd.commands.machine_ref import MachineNotFound, describe_workflow, resolve_machine
 
 # Long enough for any operator's note, short enough for a status line.
 MAX_REASON_LENGTH = 500

@@ -14,8 +14,8 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from bmdb.store import BMDB
-from shepherd.machine_ref import describe_workflow, resolve_machine
-from workflows.types import RETRY_NOW_SIGNAL, machine_workflow_id
+from lifecycle.contracts import RETRY_NOW_SIGNAL, machine_workflow_id
+from shepherd.commands.machine_ref import describe_workflow, resolve_machine
 
 
 class HostKeyError(Exception):

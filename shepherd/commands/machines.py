@@ -12,8 +12,8 @@ from typing import Any, TextIO
 from temporalio.client import Client
 
 from bmdb.store import BMDB, MachineRecord
-from shepherd.settings import Settings
-from workflows.types import MACHINE_STAGE, MACHINE_WORKFLOW_TYPE, machine_workflow_id
+from foundation.settings import Settings
+from lifecycle.contracts import MACHINE_STAGE, MACHINE_WORKFLOW_TYPE, machine_workflow_id
 
 NO_WORKFLOW = "-"
 RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'

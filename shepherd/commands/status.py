@@ -17,9 +17,9 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from bmdb.store import BMDB, MachineRecord
-from shepherd.fleet_view import age, record_json
-from shepherd.machine_ref import describe_workflow, resolve_machine
-from workflows.types import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
+from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
+from shepherd.commands.machine_ref import describe_workflow, resolve_machine
+from shepherd.commands.machines import age, record_json
 
 _QUERY_TIMEOUT = timedelta(seconds=5)
 _LABEL = "{:<19} {}"

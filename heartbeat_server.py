@@ -28,9 +28,9 @@ from temporalio.common import MetricMeter
 
 from agent.heartbeat import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 from bmdb.store import BMDB
+from foundation.metrics import meter_of, metrics_runtime
+from foundation.settings import Settings
 from proto import agent_api_pb2
-from shepherd.metrics import meter_of, metrics_runtime
-from shepherd.settings import Settings
 
 log = logging.getLogger("shepherd.heartbeat")
 

@@ -7,8 +7,8 @@ import sys
 from typing import TextIO
 
 from bmdb.store import BMDB, Event, MachineRecord
-from shepherd.machine_ref import resolve_machine
-from workflows.types import machine_workflow_id
+from lifecycle.contracts import machine_workflow_id
+from shepherd.commands.machine_ref import resolve_machine
 
 _DETAIL_WIDTH = 80 - 19 - 18 - 2
 

@@ -27,12 +27,11 @@ import aiohttp
 from temporalio.client import Client
 
 from bmdb import migrate
+from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
-from shepherd.fleet_view import machine_stages
-from shepherd.postgres import LocalPostgres
-from shepherd.settings import ENV_PREFIX, Settings
-from shepherd.tls import local_certificates
-from workflows.types import (
+from foundation.settings import ENV_PREFIX, Settings
+from foundation.tls import local_certificates
+from lifecycle.contracts import (
     MACHINE_WORKFLOW_TYPE,
     SEARCH_ATTRIBUTES,
     STATUS_QUERY,
@@ -40,6 +39,7 @@ from workflows.types import (
     MachineStatus,
     machine_workflow_id,
 )
+from shepherd.commands.machines import machine_stages
 
 TEMPORAL_PORT = 7233
 TEMPORAL_UI_PORT = 8233

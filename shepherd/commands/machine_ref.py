@@ -12,7 +12,7 @@ from temporalio.client import Client, WorkflowExecutionDescription
 from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB, MachineRecord
-from workflows.types import machine_workflow_id
+from lifecycle.contracts import machine_workflow_id
 
 # Short enough to type, long enough that a typo rarely hits another machine.
 MIN_ID_PREFIX = 4

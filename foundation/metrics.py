@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from temporalio.common import MetricCounter, MetricGauge, MetricGaugeFloat, MetricMeter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
-from shepherd.settings import check_listen_address
+from foundation.settings import check_listen_address
 
 
 class MetricsUnavailable(OSError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from workflows.types import Backoff, LifecyclePolicy
+from lifecycle.contracts import Backoff, LifecyclePolicy
 
 ENV_PREFIX = "SHEPHERD_"
 

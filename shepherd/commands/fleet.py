@@ -13,7 +13,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows.types import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
+from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
 
 
 class FleetError(Exception):

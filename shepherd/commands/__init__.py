@@ -1,0 +1,1 @@
+"""The ``shepherd`` subcommands, one module each."""
