@@ -15,14 +15,20 @@ from temporalio.client import Client
 from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
 
+from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
 from foundation.metrics import WorkerMetrics
 from foundation.settings import Settings
+from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from foundation.tls import load_ca_certificate
 from providers import Provider, ProviderError
+from providers.registry import provider_from_settings
 
 
 @dataclass
 class ActivityDeps:
+    """Everything the activities of one worker process share; built once by open_activity_deps."""
+
     settings: Settings
     bmdb: BMDB
     providers: dict[str, Provider]
@@ -47,6 +53,28 @@ class ActivityDeps:
         for provider in self.providers.values():
             await provider.close()
         await self.bmdb.close()
+
+
+async def open_activity_deps(settings: Settings, client: Client, database_url: str) -> ActivityDeps:
+    """Read the agent, the SSH key and the CA certificate, open BMDB and the provider; close() gives them back."""
+    settings.check_agent()
+    assert settings.agent_executable_path is not None
+    ssh_key = load_or_create_ssh_key(settings.effective_ssh_key_path)
+    ca_path = settings.agent_endpoint_ca_certificate_path
+    ca_certificate = load_ca_certificate(ca_path) if ca_path is not None else b""
+    agent_executable = settings.agent_executable_path.read_bytes()
+    bmdb = await open_bmdb(database_url)
+    provider = provider_from_settings(settings)
+    return ActivityDeps(
+        settings=settings,
+        bmdb=bmdb,
+        providers={provider.type: provider},
+        client=client,
+        ssh_key=ssh_key,
+        ssh_public_key=public_key_openssh(ssh_key),
+        agent_executable=agent_executable,
+        ca_certificate=ca_certificate,
+    )
 
 
 @asynccontextmanager

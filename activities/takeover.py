@@ -32,15 +32,7 @@ def _facts(started_at: datetime, public_key: bytes, warnings: list[str]) -> Agen
 class TakeoverActivities:
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
-        settings = deps.settings
-        self.takeover_settings = TakeoverSettings(
-            agent_executable=deps.agent_executable,
-            target_path=settings.agent_target_path,
-            endpoint=settings.agent_endpoint,
-            ca_certificate=deps.ca_certificate,
-            connect_timeout=settings.ssh_connect_timeout,
-            exec_timeout=settings.ssh_exec_timeout,
-        )
+        self.takeover_settings = TakeoverSettings.of(deps.settings, deps.agent_executable, deps.ca_certificate)
 
     @activity.defn
     async def start_agent(self, input: StartAgentInput) -> AgentFacts:

@@ -7,7 +7,8 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from foundation.settings import Settings
-from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, MachineInput, initial_search_attributes, machine_workflow_id
+from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, initial_search_attributes, machine_workflow_id
+from lifecycle.inputs import machine_input
 
 
 async def start_machine_workflow(
@@ -17,9 +18,7 @@ async def start_machine_workflow(
     try:
         await client.start_workflow(
             MACHINE_WORKFLOW_TYPE,
-            MachineInput(
-                provider=provider, provider_id=provider_id, machine_id=machine_id, policy=settings.lifecycle_policy
-            ),
+            machine_input(settings, provider, provider_id, machine_id),
             id=machine_workflow_id(provider, provider_id),
             task_queue=settings.task_queue,
             # A machine whose workflow was closed (terminated by an operator, say)

@@ -1,1 +1,1 @@
-"""The takeover agent: Shepherd's side (takeover) and the reference agent run on machines."""
+"""What ships to a machine: the reference agent, its heartbeat loop, and the build that packs them."""

@@ -22,15 +22,16 @@ from pathlib import Path
 import agent
 import proto
 
-# Archive name -> source file. The agent package's __init__ has no imports, so
-# the archive needs nothing else from Shepherd.
+AGENT_DIR = Path(agent.__file__).parent
+PROTO_DIR = Path(proto.__file__).parent
+# Archive name -> source file: all of agent/ but this builder, and of proto/ what
+# the agent speaks (the messages and the heartbeat signature), not the generator.
 SOURCES: dict[str, Path] = {
-    "agent/__init__.py": Path(agent.__file__),
-    "agent/reference.py": Path(agent.__file__).with_name("reference.py"),
-    "agent/heartbeat.py": Path(agent.__file__).with_name("heartbeat.py"),
-    "proto/__init__.py": Path(proto.__file__),
-    "proto/takeover_pb2.py": Path(proto.__file__).with_name("takeover_pb2.py"),
-    "proto/agent_api_pb2.py": Path(proto.__file__).with_name("agent_api_pb2.py"),
+    **{f"agent/{path.name}": path for path in sorted(AGENT_DIR.glob("*.py")) if path.name != "build.py"},
+    **{
+        f"proto/{name}": PROTO_DIR / name
+        for name in ("__init__.py", "takeover_pb2.py", "agent_api_pb2.py", "signing.py")
+    },
 }
 ENTRY_POINT = "import sys\n\nfrom agent.reference import main\n\nsys.exit(main())\n"
 # The same agent, told to answer the takeover and exit: what a host running a

@@ -1,4 +1,4 @@
-"""Heartbeats as the agent signs and sends them; Shepherd's server checks the same payload.
+"""Heartbeats as the agent signs and sends them (proto.signing says what the signature covers).
 
 Kept free of the rest of Shepherd: it runs inside the agent executable.
 """
@@ -13,25 +13,13 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from proto import agent_api_pb2
-
-SIGNING_CONTEXT = b"shepherd-heartbeat-v1"
-NONCE_SIZE = 16
-SIGNATURE_SIZE = 64
-
-
-def signing_payload(machine_id: str, sent_at_unix_ms: int, nonce: bytes) -> bytes:
-    """The bytes a heartbeat's signature covers."""
-    return (
-        b"\0".join([SIGNING_CONTEXT, machine_id.encode()])
-        + b"\0"
-        + sent_at_unix_ms.to_bytes(8, "big", signed=True)
-        + nonce
-    )
+from proto.signing import NONCE_SIZE, signing_payload
 
 
 def signed_heartbeat(
     machine_id: str, key: Ed25519PrivateKey, now_ms: int | None = None
 ) -> agent_api_pb2.HeartbeatRequest:
+    """A heartbeat request for now (or now_ms), with a fresh nonce, signed with the agent's key."""
     sent_at = int(time.time() * 1000) if now_ms is None else now_ms
     nonce = os.urandom(NONCE_SIZE)
     return agent_api_pb2.HeartbeatRequest(

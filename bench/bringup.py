@@ -169,10 +169,11 @@ async def measure_raw(tmp: Path, machines: int, concurrency: int, agent: bytes) 
 async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_path: Path, database_url: str) -> Outcome:
     from temporalio.testing import WorkflowEnvironment
 
+    from activities.deps import open_activity_deps
     from activities.workflow_start import start_machine_workflow
     from lifecycle.contracts import SEARCH_ATTRIBUTES, machine_workflow_id
+    from processes.worker import build_worker
     from shepherd.commands.dev import temporal_cli
-    from worker import build_deps, build_worker
 
     sim = simulator(tmp, machines)
     await sim.start()
@@ -195,7 +196,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
             provision_backoff_initial=1.0,
             provision_backoff_maximum=5.0,
         )
-        deps = await build_deps(settings, env.client, database_url)
+        deps = await open_activity_deps(settings, env.client, database_url)
         try:
             admitted = [await deps.bmdb.admit_machine(PROVIDER, slot) for slot in sim.slots]
             # Created as provisioning creates them (same idempotency key), so the timed provisioning finds

@@ -31,14 +31,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from activities.fleet import each_at_most
-from agent.heartbeat import NONCE_SIZE, signed_heartbeat, signing_payload
+from agent.heartbeat import signed_heartbeat
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.tls import local_certificates
-from heartbeat_server import HeartbeatService, build_server
+from processes.heartbeat_server import HeartbeatService, build_server
 from proto import agent_api_pb2, agent_api_pb2_grpc
+from proto.signing import NONCE_SIZE, signing_payload
 
 DEFAULTS = Settings()
 # Registration is three short transactions per machine; about the BMDB pool's size keeps it busy without queueing.

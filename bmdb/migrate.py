@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine
 
-from bmdb.store import sqlalchemy_url
+from bmdb.store import BMDB, BMDBUnavailable, sqlalchemy_url
+from foundation.settings import redact_url
+from foundation.startup import StartupError
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -48,3 +51,22 @@ def head_revision() -> str:
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None, "no migrations shipped"
     return head
+
+
+async def open_bmdb(url: str) -> BMDB:
+    """BMDB for a process: reachable, and at the schema revision this Shepherd needs."""
+    bmdb = BMDB(url)
+    try:
+        await bmdb.ping()
+    except BMDBUnavailable as error:
+        await bmdb.close()
+        raise StartupError(f"{error} (setting database_url)") from error
+    revision = await asyncio.to_thread(current_revision, url)
+    head = head_revision()
+    if revision != head:
+        await bmdb.close()
+        raise StartupError(
+            f"BMDB at {redact_url(url)} has schema revision {revision or 'none'}, this Shepherd needs {head}: "
+            "run `shepherd migrate`"
+        )
+    return bmdb

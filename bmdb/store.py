@@ -26,6 +26,7 @@ from bmdb.schema import (
     machine_provided,
     machines,
 )
+from foundation.settings import redact_url
 
 
 class BMDBUnavailable(Exception):
@@ -437,16 +438,6 @@ def first_line(error: BaseException) -> str:
     cause = getattr(error, "orig", None) or error
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     return lines[0] if lines else type(cause).__name__
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    credentials, _, host = rest.rpartition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
 
 
 def _agent_started(machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> Any:

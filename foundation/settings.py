@@ -18,8 +18,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from lifecycle.contracts import Backoff, LifecyclePolicy
-
 ENV_PREFIX = "SHEPHERD_"
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -130,33 +128,6 @@ class Settings:
     # Observability, per process
     metrics_listen: str = _setting("", "host:port this process serves Prometheus /metrics on; empty: none")
     log_format: str = _setting("text", "Log lines as text or json")
-
-    @property
-    def agent_start_backoff(self) -> Backoff:
-        return Backoff(
-            self.agent_start_backoff_initial, self.agent_start_backoff_maximum, self.agent_start_backoff_multiplier
-        )
-
-    @property
-    def provision_backoff(self) -> Backoff:
-        return Backoff(
-            self.provision_backoff_initial, self.provision_backoff_maximum, self.provision_backoff_multiplier
-        )
-
-    @property
-    def recovery_backoff(self) -> Backoff:
-        return Backoff(self.recovery_backoff_initial, self.recovery_backoff_maximum, self.recovery_backoff_multiplier)
-
-    @property
-    def lifecycle_policy(self) -> LifecyclePolicy:
-        return LifecyclePolicy(
-            provision_backoff=self.provision_backoff,
-            agent_start_backoff=self.agent_start_backoff,
-            recovery_backoff=self.recovery_backoff,
-            recovery_timeout=3 * self.provider_timeout + 30,
-            provision_timeout=3 * self.provider_timeout + 30,
-            agent_start_timeout=self.provider_timeout + self.ssh_connect_timeout + self.ssh_exec_timeout + 30,
-        )
 
     @property
     def effective_ssh_key_path(self) -> Path:
@@ -340,10 +311,18 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not true or false")
 
 
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+
+
 def effective_settings(settings: Settings, sources: Mapping[str, str], *, as_json: bool = False) -> str:
     """Every setting as TOML a config file can take back (or JSON), the database password hidden."""
-    from bmdb.store import redact_url
-
     values: dict[str, Any] = {}
     for f in fields(settings):
         value = getattr(settings, f.name)

@@ -1,7 +1,7 @@
-"""A private CA and a server certificate for the heartbeat endpoint of the embedded stack and tests.
+"""TLS material: the CA certificate agents trust, and a private CA for the embedded stack and tests.
 
-Production deployments bring their own certificates; this only saves a local
-stack from running heartbeats in plain text.
+Production deployments bring their own certificates; the private CA only saves
+a local stack from running heartbeats in plain text.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from foundation.settings import SettingsError
 
 
 @dataclass(frozen=True)
@@ -77,3 +79,11 @@ def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertifi
     )
     _write(paths.server_key, key_pem, 0o600)
     return paths
+
+
+def load_ca_certificate(path: Path) -> bytes:
+    """DER bytes of the PEM CA certificate at path, which the agents trust for their endpoint."""
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(serialization.Encoding.DER)
+    except ValueError as error:
+        raise SettingsError("agent_endpoint_ca_certificate_path", f"not a PEM X.509 certificate: {error}") from None

@@ -59,6 +59,9 @@ def initial_search_attributes(provider: str, provider_id: str, machine_id: str) 
     )
 
 
+# The visibility query of every machine workflow that runs: the worker's gauges and the commands list them.
+RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
+
 HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"
 FORCE_RECOVER_SIGNAL = "force_recover"
 RETRY_NOW_SIGNAL = "retry_now"
@@ -79,13 +82,16 @@ class Backoff:
 
 @dataclass(frozen=True)
 class LifecyclePolicy:
+    """How a machine's workflow paces its steps; made from settings by lifecycle.inputs."""
+
+    # Space the attempts of each step.
     provision_backoff: Backoff
     agent_start_backoff: Backoff
-    # Bounds one activity attempt; the back-offs above space the attempts.
-    recovery_backoff: Backoff = Backoff(60.0, 3600.0, 1.2)
-    provision_timeout: float = 120.0
-    agent_start_timeout: float = 120.0
-    recovery_timeout: float = 120.0
+    recovery_backoff: Backoff
+    # Bound one activity attempt of each step.
+    provision_timeout: float
+    agent_start_timeout: float
+    recovery_timeout: float
 
 
 # --- MachineWorkflow -----------------------------------------------------------
@@ -175,8 +181,8 @@ class FleetInput:
     device_creation_interval: float
     # The seed's recovery rule: no heartbeat this long after the agent started,
     # or the last heartbeat older than heartbeat_within.
-    first_heartbeat_within: float = 1800.0
-    heartbeat_within: float = 600.0
+    first_heartbeat_within: float
+    heartbeat_within: float
 
 
 @dataclass(frozen=True)

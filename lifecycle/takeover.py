@@ -19,6 +19,7 @@ import asyncssh
 from asyncssh.public_key import get_default_public_key_algs
 from google.protobuf.message import DecodeError
 
+from foundation.settings import Settings
 from proto import takeover_pb2
 
 ED25519_KEY_SIZE = 32
@@ -40,8 +41,8 @@ class TakeoverTarget:
     machine_id: str
     # Host name or IP address of the machine's SSH server.
     address: str
-    port: int = 22
-    username: str = "root"
+    port: int
+    username: str
     # OpenSSH public key recorded at first contact (trust on first use); None
     # before the first contact, when any host key is accepted and reported.
     pinned_host_key: str | None = None
@@ -56,14 +57,26 @@ class TakeoverSettings:
     endpoint: str
     # Where the agent is uploaded on the machine; relative paths are relative
     # to the SSH user's home directory.
-    target_path: str = "/root/agent"
+    target_path: str
     # DER-encoded CA certificate the agent trusts for the endpoint; empty means
     # the machine's trust store.
-    ca_certificate: bytes = b""
+    ca_certificate: bytes
     # TCP connect, SSH handshake and authentication together.
-    connect_timeout: float = 2.0
+    connect_timeout: float
     # Upload and run together.
-    exec_timeout: float = 60.0
+    exec_timeout: float
+
+    @classmethod
+    def of(cls, settings: Settings, agent_executable: bytes, ca_certificate: bytes = b"") -> TakeoverSettings:
+        """The takeover that settings describe, with the agent and CA certificate already read."""
+        return cls(
+            agent_executable=agent_executable,
+            endpoint=settings.agent_endpoint,
+            target_path=settings.agent_target_path,
+            ca_certificate=ca_certificate,
+            connect_timeout=settings.ssh_connect_timeout,
+            exec_timeout=settings.ssh_exec_timeout,
+        )
 
 
 @dataclass(frozen=True)

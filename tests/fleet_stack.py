@@ -19,15 +19,16 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import MetricMeter
 from temporalio.worker import Worker
 
-from activities.deps import ActivityDeps
+from activities.deps import ActivityDeps, open_activity_deps
 from agent.build import build_agent_executable
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.tls import local_certificates
-from heartbeat_server import HeartbeatService, build_server
 from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, machine_workflow_id
+from lifecycle.inputs import fleet_input
+from processes.heartbeat_server import HeartbeatService, build_server
+from processes.worker import build_worker
 from simulator import Faults, Simulator, SimulatorConfig
-from worker import build_deps, build_worker, fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
 
@@ -155,7 +156,7 @@ async def fleet_stack(
                 **setting_overrides,
             }
         settings = stack_settings(tmp_path, simulator.api_url, temporal_client, **setting_overrides)
-        deps = await build_deps(settings, temporal_client, bmdb_url)
+        deps = await open_activity_deps(settings, temporal_client, bmdb_url)
         try:
             stack = FleetStack(settings, temporal_client, simulator, deps)
             if run_worker:

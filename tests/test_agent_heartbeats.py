@@ -15,7 +15,7 @@ from agent.build import build_agent_executable
 from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
 from foundation.tls import local_certificates
-from heartbeat_server import HeartbeatService, build_server
+from processes.heartbeat_server import HeartbeatService, build_server
 from proto import takeover_pb2
 from tests.processes import kill_processes_mentioning
 

@@ -20,11 +20,11 @@ from activities.fleet import each_at_most
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
+from lifecycle.inputs import fleet_input
 from shepherd.commands.dev import settings_environment
 from shepherd.commands.machines import age, print_machines
 from simulator import Faults
 from tests.fleet_stack import fleet_stack
-from worker import fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
 

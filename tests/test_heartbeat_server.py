@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
 from foundation.tls import local_certificates
-from heartbeat_server import SERVICE, HeartbeatService, build_server
+from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
 from proto import agent_api_pb2, agent_api_pb2_grpc
 
 

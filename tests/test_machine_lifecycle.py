@@ -11,6 +11,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +22,7 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
+from foundation.settings import Settings
 from lifecycle.contracts import (
     AgentFacts,
     Backoff,
@@ -32,9 +34,12 @@ from lifecycle.contracts import (
     RebootInput,
     StartAgentInput,
 )
+from lifecycle.inputs import lifecycle_policy
 from workflows.machine import MachineWorkflow
 
-SEED_AGENT_BACKOFF = Backoff(initial=300.0, maximum=4 * 3600.0, multiplier=1.2)
+# The seed's back-offs are the settings' defaults.
+SEED_POLICY = lifecycle_policy(Settings())
+SEED_AGENT_BACKOFF = SEED_POLICY.agent_start_backoff
 
 
 class FakeMachineActivities:
@@ -81,7 +86,7 @@ async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping
     env = time_skipping_env
     fakes = FakeMachineActivities(agent_failures=4)
     queue = f"backoff-{uuid.uuid4()}"
-    policy = LifecyclePolicy(provision_backoff=Backoff(60, 3600, 1.2), agent_start_backoff=SEED_AGENT_BACKOFF)
+    policy = SEED_POLICY
     async with Worker(
         env.client,
         task_queue=queue,
@@ -109,7 +114,7 @@ async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping
 async def test_retry_now_ends_a_back_off_and_is_ignored_when_nothing_fails(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities(agent_failures=2)
-    policy = LifecyclePolicy(provision_backoff=Backoff(60, 3600, 1.2), agent_start_backoff=SEED_AGENT_BACKOFF)
+    policy = SEED_POLICY
     async with machine_worker(env, fakes, "retry-now") as queue:
         handle = await start_machine(env, queue, policy)
         await env.sleep(timedelta(seconds=1))
@@ -134,9 +139,7 @@ async def test_retry_now_ends_a_back_off_and_is_ignored_when_nothing_fails(time_
         await handle.terminate()
 
 
-FAST = LifecyclePolicy(
-    provision_backoff=Backoff(1, 1, 1), agent_start_backoff=Backoff(1, 1, 1), recovery_backoff=Backoff(60, 3600, 1.2)
-)
+FAST = replace(SEED_POLICY, provision_backoff=Backoff(1, 1, 1), agent_start_backoff=Backoff(1, 1, 1))
 
 
 @asynccontextmanager

@@ -14,11 +14,11 @@ from temporalio.client import WorkflowFailureError
 from bmdb.schema import machine_provided, machines
 from bmdb.store import BMDB
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
+from processes.worker import ensure_fleet_schedule
 from shepherd.commands.machine_ref import MachineNotFound, resolve_machine
 from shepherd.commands.reset_host_key import host_key_fingerprint
 from tests.fleet_stack import fleet_stack
 from tests.test_recovery import WATCH, wait_for
-from worker import ensure_fleet_schedule
 
 NO_SCHEDULE = "a worker creates it when it starts"
 NOT_FOUND = "it is neither a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"

@@ -25,10 +25,10 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, RETRY_NOW_SIGNAL, FleetInput, MachineStage
+from lifecycle.inputs import fleet_input
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
 from tests.test_recovery import WATCH, wait_for
-from worker import fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
 

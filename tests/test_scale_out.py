@@ -7,10 +7,11 @@ from collections import Counter
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.deps import open_activity_deps
 from lifecycle.contracts import MachineStage
+from processes.worker import build_worker
 from tests.fleet_stack import fleet_stack
 from tests.test_fleet import nodes, sim_admin
-from worker import build_deps, build_worker
 
 
 async def test_two_workers_bring_a_fleet_up_handling_each_machine_once(tmp_path, temporal_client, bmdb_url, bmdb):
@@ -22,7 +23,7 @@ async def test_two_workers_bring_a_fleet_up_handling_each_machine_once(tmp_path,
             namespace=temporal_client.namespace,
             identity="second-worker",
         )
-        second_deps = await build_deps(stack.settings, second_client, bmdb_url)
+        second_deps = await open_activity_deps(stack.settings, second_client, bmdb_url)
         second: Worker = build_worker(second_client, second_deps)
         try:
             async with second:

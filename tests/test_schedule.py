@@ -6,7 +6,7 @@ from temporalio.client import ScheduleActionStartWorkflow, ScheduleOverlapPolicy
 
 from foundation.settings import Settings
 from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
-from worker import ensure_fleet_schedule
+from processes.worker import ensure_fleet_schedule
 
 
 async def test_schedule_is_created_then_updated_keeping_an_operators_pause(temporal_client):

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from foundation.settings import Settings, SettingsError, parse_duration
+from lifecycle.inputs import lifecycle_policy
 
 
 def test_defaults_are_the_seeds():
@@ -12,7 +13,7 @@ def test_defaults_are_the_seeds():
     assert settings.agent_target_path == "/root/agent"
     assert (settings.max_machines, settings.chunk_size) == (50, 20)
     assert settings.reconcile_interval == 60.0 and settings.device_creation_interval == 5.0
-    backoff = settings.agent_start_backoff
+    backoff = lifecycle_policy(settings).agent_start_backoff
     assert (backoff.initial, backoff.maximum, backoff.multiplier) == (300.0, 14400.0, 1.2)
     assert [backoff.delay(n) for n in (1, 2, 3)] == pytest.approx([300.0, 360.0, 432.0])
     assert backoff.delay(100) == 14400.0

@@ -20,6 +20,7 @@ import pytest
 
 from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
+from foundation.settings import Settings
 from lifecycle.takeover import (
     MAX_REPLY_SIZE,
     TakeoverError,
@@ -54,14 +55,8 @@ def target_of(sshd: Sshd, **overrides: object) -> TakeoverTarget:
 
 
 def settings(agent: bytes, target_path: Path, **overrides: object) -> TakeoverSettings:
-    values: dict[str, object] = {
-        "agent_executable": agent,
-        "endpoint": ENDPOINT,
-        "target_path": str(target_path),
-        "exec_timeout": 20.0,
-    }
-    values.update(overrides)
-    return TakeoverSettings(**values)  # type: ignore[arg-type]
+    shepherd = Settings(agent_endpoint=ENDPOINT, agent_target_path=str(target_path), ssh_exec_timeout=20.0)
+    return replace(TakeoverSettings.of(shepherd, agent), **overrides)  # type: ignore[arg-type]
 
 
 def script_agent(body: str) -> bytes:
@@ -314,7 +309,7 @@ async def simulated_machine(tmp_path: Path) -> AsyncIterator[tuple[TakeoverTarge
     try:
         created = await provider.create_machine("node-0001", "test", client_key.export_public_key("openssh").decode())
         assert created.address is not None
-        target = TakeoverTarget(machine_id=MACHINE_ID, address=created.address, port=created.ssh_port)
+        target = TakeoverTarget(machine_id=MACHINE_ID, address=created.address, port=created.ssh_port, username="root")
         yield target, client_key, tmp_path / "sim" / "machines" / "node-0001" / "root-fs"
     finally:
         await provider.close()
@@ -323,7 +318,7 @@ async def simulated_machine(tmp_path: Path) -> AsyncIterator[tuple[TakeoverTarge
 
 async def test_simulated_machine_is_taken_over_at_the_default_path(simulated_machine, reference_agent):
     target, client_key, root_fs = simulated_machine
-    takeover = TakeoverSettings(agent_executable=reference_agent, endpoint=ENDPOINT)
+    takeover = TakeoverSettings.of(Settings(agent_endpoint=ENDPOINT), reference_agent)
     result = await take_over(target, takeover, client_key)
     assert len(result.agent_public_key) == 32
     assert (root_fs / "root" / "agent").stat().st_mode & 0o777 == 0o755
@@ -335,7 +330,7 @@ async def test_simulated_machine_is_taken_over_at_the_default_path(simulated_mac
 async def test_simulated_machine_with_another_host_key_is_refused(simulated_machine, reference_agent):
     target, client_key, root_fs = simulated_machine
     other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
-    takeover = TakeoverSettings(agent_executable=reference_agent, endpoint=ENDPOINT)
+    takeover = TakeoverSettings.of(Settings(agent_endpoint=ENDPOINT), reference_agent)
     error = await expect_failure(replace(target, pinned_host_key=other), takeover, client_key)
     assert error.failure is TakeoverFailure.HOST_KEY_CHANGED
     assert not (root_fs / "root" / "agent").exists()
@@ -347,7 +342,7 @@ async def test_simulated_machine_with_another_host_key_is_refused(simulated_mach
 def test_errors_survive_pickling():
     import pickle
 
-    target = TakeoverTarget(machine_id=MACHINE_ID, address="::1", port=2222)
+    target = TakeoverTarget(machine_id=MACHINE_ID, address="::1", port=2222, username="root")
     error = TakeoverError(TakeoverFailure.BAD_KEY, target, "the agent's key is 31 bytes long")
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error) and copy.failure is TakeoverFailure.BAD_KEY

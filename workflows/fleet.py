@@ -15,6 +15,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from workflows.failures import describe_failure
+
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
     from lifecycle.contracts import (
@@ -25,7 +27,6 @@ with workflow.unsafe.imports_passed_through():
         ReconcilePassInput,
         WatchdogInput,
     )
-    from workflows.machine import describe_failure
 
 _LISTING_TIMEOUT = timedelta(minutes=5)
 _RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=5)

@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError
+
+from workflows.failures import describe_failure
 
 with workflow.unsafe.imports_passed_through():
     from activities.provisioning import ProvisioningActivities
@@ -61,15 +63,6 @@ def recovery_reason(request: Any) -> str:
     if isinstance(request, str) and request.strip():
         return request.strip()
     return f"unreadable reason {str(request)[:100]!r}"
-
-
-def describe_failure(error: BaseException) -> str:
-    """The innermost message of an activity failure: what went wrong on the machine."""
-    while isinstance(error, ActivityError) and error.cause is not None:
-        error = error.cause
-    if isinstance(error, ApplicationError) and error.type:
-        return f"{error.type}: {error.message}"
-    return str(error)
 
 
 @workflow.defn(name="MachineWorkflow")

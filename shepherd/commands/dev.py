@@ -8,6 +8,7 @@ Ctrl-C stops every child. State stays in the state dir between runs.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -26,6 +27,7 @@ from typing import IO
 import aiohttp
 from temporalio.client import Client
 
+from agent.build import build_agent_executable
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
@@ -39,6 +41,8 @@ from lifecycle.contracts import (
     MachineStatus,
     machine_workflow_id,
 )
+from processes.worker import ensure_fleet_schedule
+from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
 from shepherd.commands.machines import machine_stages
 
 TEMPORAL_PORT = 7233
@@ -316,8 +320,6 @@ class DevStack:
         database_url = await asyncio.to_thread(self.postgres.start)
         await asyncio.to_thread(migrate.upgrade, database_url)
 
-        from agent.build import build_agent_executable
-
         assert settings.agent_executable_path is not None
         build_agent_executable(settings.agent_executable_path)
 
@@ -367,8 +369,6 @@ class DevStack:
                 env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['worker']}"},
             )
         )
-        from worker import ensure_fleet_schedule
-
         await ensure_fleet_schedule(client, settings, trigger=True)
         self.say(
             "metrics: "
@@ -470,5 +470,48 @@ class DevStack:
         return reasons
 
 
-def run_dev(settings: Settings, options: DevOptions) -> int:
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("dev", help="run the embedded stack with a simulated fleet")
+    add_common(parser)
+    defaults = DevOptions()
+    parser.add_argument(
+        "--machines",
+        type=positive_int,
+        default=defaults.machines,
+        help=f"simulated machines (default {defaults.machines})",
+    )
+    parser.add_argument(
+        "--until-ready", action="store_true", help="exit 0 once every machine is WATCHING, non-zero after --timeout"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=duration_arg,
+        default=defaults.timeout,
+        help=f"limit for --until-ready (default {defaults.timeout:g}s)",
+    )
+    parser.add_argument("--fresh", action="store_true", help="forget the fleet of earlier runs and start over")
+    parser.add_argument("--chaos", action="store_true", help="kill a random machine's agent every --chaos-interval")
+    parser.add_argument(
+        "--chaos-interval",
+        type=duration_arg,
+        default=defaults.chaos_interval,
+        help=f"time between agent kills (default {defaults.chaos_interval:g}s)",
+    )
+    parser.add_argument("--chaos-kills", type=positive_int, help="stop killing after this many (default: never)")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        options = DevOptions(
+            machines=args.machines,
+            until_ready=args.until_ready,
+            timeout=args.timeout,
+            fresh=args.fresh,
+            chaos=args.chaos,
+            chaos_interval=args.chaos_interval,
+            chaos_kills=args.chaos_kills,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return asyncio.run(DevStack(settings, options).run())

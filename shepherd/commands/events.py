@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import TextIO
 
 from bmdb.store import BMDB, Event, MachineRecord
+from foundation.settings import Settings
 from lifecycle.contracts import machine_workflow_id
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, no_temporal, positive_int, with_bmdb
 from shepherd.commands.machine_ref import resolve_machine
 
 _DETAIL_WIDTH = 80 - 19 - 18 - 2
@@ -42,3 +45,18 @@ async def print_events(bmdb: BMDB, name: str, limit: int, *, as_json: bool = Fal
     for line in format_events(record, events):
         print(line, file=out)
     return 0
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("events", help="a machine's event log, newest first")
+    add_common(parser)
+    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("--limit", type=positive_int, default=50, help="at most this many events (default 50)")
+    parser.add_argument("--json", action="store_true", help="JSON, with details uncut")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    return with_bmdb(
+        settings, no_temporal, lambda _, bmdb: print_events(bmdb, args.machine, args.limit, as_json=args.json)
+    )

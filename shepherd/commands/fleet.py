@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import sys
 import textwrap
@@ -13,7 +15,10 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from foundation.settings import Settings
+from foundation.startup import connect_temporal
 from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
+from shepherd.commands.base import CommandError, Subcommands, UsageError, add_common, positive_int
 
 
 class FleetError(Exception):
@@ -171,3 +176,31 @@ async def print_fleet(
     for text in format_passes(recent):
         print(text, file=out)
     return 0
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("fleet", help="the fleet schedule and its last passes; pause, resume, trigger")
+    add_common(parser)
+    change = parser.add_mutually_exclusive_group()
+    change.add_argument("--pause", action="store_true", help="stop scheduling passes (machines keep their workflows)")
+    change.add_argument("--resume", action="store_true", help="schedule passes again")
+    change.add_argument("--trigger", action="store_true", help="run a pass now")
+    parser.add_argument("--note", default="", help="why, kept with the schedule's state (with --pause/--resume)")
+    parser.add_argument("--passes", type=positive_int, default=5, help="how many recent passes to show (default 5)")
+    parser.add_argument("--json", action="store_true", help="JSON instead of the table")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    if args.note and not (args.pause or args.resume):
+        raise UsageError("--note goes with --pause or --resume")
+    action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note)
+
+    async def show() -> int:
+        client = await connect_temporal(settings)
+        return await print_fleet(client, action, passes=args.passes, as_json=args.json)
+
+    try:
+        return asyncio.run(show())
+    except FleetError as error:
+        raise CommandError(str(error)) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import sys
 from collections import Counter
@@ -11,12 +13,14 @@ from typing import Any, TextIO
 
 from temporalio.client import Client
 
+from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, MachineRecord
 from foundation.settings import Settings
-from lifecycle.contracts import MACHINE_STAGE, MACHINE_WORKFLOW_TYPE, machine_workflow_id
+from foundation.startup import connect_temporal
+from lifecycle.contracts import MACHINE_STAGE, RUNNING_MACHINES, MachineStage, machine_workflow_id
+from shepherd.commands.base import Subcommands, add_common, database
 
 NO_WORKFLOW = "-"
-RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
 
 
 @dataclass(frozen=True)
@@ -128,8 +132,6 @@ async def print_machines(
     only: MachineFilter = MachineFilter(),
     as_json: bool = False,
 ) -> int:
-    from worker import connect_temporal, open_bmdb
-
     client = await connect_temporal(settings)
     bmdb = await open_bmdb(database_url)
     try:
@@ -144,3 +146,26 @@ async def print_machines(
     for line in format_machines(views, datetime.now(UTC)):
         print(line, file=out)
     return 0
+
+
+def stage_arg(text: str) -> str:
+    """An argparse type: a MachineStage, or NO_WORKFLOW for machines without a running workflow."""
+    stages = [stage.value for stage in MachineStage] + [NO_WORKFLOW]
+    if text.upper() not in stages:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a stage; one of {', '.join(stages)}")
+    return text.upper()
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("machines", help="each machine's stage, agent age, last heartbeat and recoveries")
+    add_common(parser)
+    parser.add_argument("--stage", type=stage_arg, help="only machines in this stage (or - for no workflow)")
+    parser.add_argument("--provider", help="only machines of this provider")
+    parser.add_argument("--json", action="store_true", help="a JSON list instead of the table")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    only = MachineFilter(stage=args.stage, provider=args.provider)
+    with database(settings) as url:
+        return asyncio.run(print_machines(settings, url, only=only, as_json=args.json))

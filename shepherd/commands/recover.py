@@ -6,13 +6,19 @@ only finds the workflow from whatever name the operator has at hand.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
+from foundation.settings import Settings
+from foundation.startup import connect_temporal
 from lifecycle.contracts import (
     FORCE_RECOVER_SIGNAL,
     MACHINE_WORKFLOW_TYPE,
@@ -20,10 +26,18 @@ from lifecycle.contracts import (
     MachineStatus,
     machine_workflow_id,
 )
+from shepherd.commands.base import (
+    EXIT_OK,
+    MACHINE_HELP,
+    CommandError,
+    Subcommands,
+    add_common,
+    check_reason,
+    database,
+    reason_arg,
+)
 from shepherd.commands.machine_ref import MachineNotFound, describe_workflow, resolve_machine
 
-# Long enough for any operator's note, short enough for a status line.
-MAX_REASON_LENGTH = 500
 _QUERY_TIMEOUT = timedelta(seconds=5)
 
 
@@ -35,15 +49,6 @@ class RecoverError(Exception):
 class RecoverRequest:
     machine: str  # a BMDB machine id, a provider id or a workflow id
     reason: str
-
-
-def check_reason(text: str) -> str:
-    reason = text.strip()
-    if not reason:
-        raise ValueError("the reason is empty; say why the machine needs a reboot")
-    if len(reason) > MAX_REASON_LENGTH:
-        raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
-    return reason
 
 
 async def _machine_workflow_exists(client: Client, workflow_id: str) -> bool:
@@ -100,3 +105,27 @@ async def _stage_of(client: Client, workflow_id: str) -> str:
     except Exception:
         return "in an unknown stage (no worker answered the status query)"
     return str(status.stage)
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("recover", help="reboot a machine and take it over again (force_recover)")
+    add_common(parser)
+    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("--reason", required=True, type=reason_arg, help="why; shown in status and the event log")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    async def recover(url_of_bmdb: Callable[[], str]) -> str:
+        client = await connect_temporal(settings)
+        return await request_recovery(
+            client, lambda: open_bmdb(url_of_bmdb()), RecoverRequest(args.machine, args.reason)
+        )
+
+    # BMDB (and a local PostgreSQL) only when the workflow id alone does not do.
+    with ExitStack() as stack:
+        try:
+            print(asyncio.run(recover(lambda: stack.enter_context(database(settings)))))
+        except RecoverError as error:
+            raise CommandError(str(error)) from None
+    return EXIT_OK

@@ -9,12 +9,17 @@ the key it sees.
 
 from __future__ import annotations
 
+import argparse
+
 import asyncssh
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from bmdb.store import BMDB
+from foundation.settings import Settings
+from foundation.startup import connect_temporal
 from lifecycle.contracts import RETRY_NOW_SIGNAL, machine_workflow_id
+from shepherd.commands.base import EXIT_OK, MACHINE_HELP, Subcommands, add_common, reason_arg, with_bmdb
 from shepherd.commands.machine_ref import describe_workflow, resolve_machine
 
 
@@ -23,6 +28,7 @@ class HostKeyError(Exception):
 
 
 def host_key_fingerprint(openssh_line: str) -> str:
+    """The SHA256 fingerprint of an OpenSSH public key line, as ssh-keygen -l shows it."""
     try:
         return str(asyncssh.import_public_key(openssh_line).get_fingerprint("sha256"))
     except (asyncssh.KeyImportError, ValueError):
@@ -56,3 +62,25 @@ async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str) 
             "it retries at the end of its back-off, or send it the retry_now signal"
         ) from None
     return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser(
+        "reset-host-key", help="forget a reinstalled machine's pinned SSH host key and retry its takeover now"
+    )
+    add_common(parser)
+    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("--reason", required=True, type=reason_arg, help="why; kept in the event log")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    # Temporal first: a pin is not reset when the workflow cannot be told.
+    message = with_bmdb(
+        settings,
+        lambda: connect_temporal(settings),
+        lambda client, bmdb: reset_host_key(client, bmdb, args.machine, args.reason),
+        HostKeyError,
+    )
+    print(message)
+    return EXIT_OK

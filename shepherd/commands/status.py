@@ -7,6 +7,7 @@ workflow is never woken for them). This view puts both on one page.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -17,7 +18,10 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from bmdb.store import BMDB, MachineRecord
+from foundation.settings import Settings
+from foundation.startup import connect_temporal
 from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, with_bmdb
 from shepherd.commands.machine_ref import describe_workflow, resolve_machine
 from shepherd.commands.machines import age, record_json
 
@@ -134,3 +138,21 @@ async def print_status(
     for line in format_detail(detail, datetime.now(UTC)):
         print(line, file=out)
     return 0
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser(
+        "status", help="one machine whole: its workflow's status query beside BMDB's agent and last heartbeat"
+    )
+    add_common(parser)
+    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("--json", action="store_true", help="JSON, with every value uncut")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    return with_bmdb(
+        settings,
+        lambda: connect_temporal(settings),
+        lambda client, bmdb: print_status(client, bmdb, args.machine, as_json=args.json),
+    )

@@ -23,127 +23,23 @@ from temporalio.client import (
     ScheduleUpdate,
     ScheduleUpdateInput,
 )
-from temporalio.runtime import Runtime
-from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from activities.deps import ActivityDeps
+from activities.deps import ActivityDeps, open_activity_deps
 from activities.fleet import FleetActivities
 from activities.provisioning import ProvisioningActivities
 from activities.recovery import RecoveryActivities
 from activities.takeover import TakeoverActivities
-from bmdb import migrate
-from bmdb.store import BMDB, BMDBUnavailable, redact_url
 from foundation.logs import LogContextInterceptor
 from foundation.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metrics_runtime
-from foundation.settings import Settings, SettingsError
-from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
-from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, SEARCH_ATTRIBUTES, FleetInput, MachineStage
-from providers import Provider
-from providers.sim import SimProvider
-from shepherd.commands.machines import RUNNING_MACHINES
+from foundation.settings import Settings
+from foundation.startup import StartupError, check_search_attributes, connect_temporal
+from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, RUNNING_MACHINES, SEARCH_ATTRIBUTES, MachineStage
+from lifecycle.inputs import fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
 
 log = logging.getLogger("shepherd.worker")
-
-
-class StartupError(Exception):
-    """The worker cannot start; the message says which part and why."""
-
-
-async def connect_temporal(settings: Settings, runtime: Runtime | None = None) -> Client:
-    try:
-        return await Client.connect(
-            settings.temporal_address, namespace=settings.temporal_namespace, runtime=runtime or Runtime.default()
-        )
-    except Exception as error:
-        raise StartupError(
-            f"cannot reach Temporal at {settings.temporal_address} (setting temporal_address), "
-            f"namespace {settings.temporal_namespace!r}: {error}"
-        ) from error
-
-
-async def check_search_attributes(client: Client, settings: Settings) -> None:
-    """Refuse to start on a namespace without Shepherd's search attributes: every workflow would fail to start."""
-    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-
-    try:
-        listed = await client.operator_service.list_search_attributes(
-            ListSearchAttributesRequest(namespace=settings.temporal_namespace)
-        )
-    except RPCError as error:
-        raise StartupError(
-            f"cannot list the search attributes of namespace {settings.temporal_namespace!r}: {error}"
-        ) from error
-    missing = [key.name for key in SEARCH_ATTRIBUTES if key.name not in listed.custom_attributes]
-    if missing:
-        commands = "; ".join(
-            f"temporal operator search-attribute create --namespace {settings.temporal_namespace} "
-            f"--name {name} --type Keyword"
-            for name in missing
-        )
-        raise StartupError(
-            f"namespace {settings.temporal_namespace!r} lacks the search attributes {', '.join(missing)}; "
-            f"register them once: {commands}"
-        )
-
-
-async def open_bmdb(url: str) -> BMDB:
-    bmdb = BMDB(url)
-    try:
-        await bmdb.ping()
-    except BMDBUnavailable as error:
-        await bmdb.close()
-        raise StartupError(f"{error} (setting database_url)") from error
-    revision = await asyncio.to_thread(migrate.current_revision, url)
-    head = migrate.head_revision()
-    if revision != head:
-        await bmdb.close()
-        raise StartupError(
-            f"BMDB at {redact_url(url)} has schema revision {revision or 'none'}, this Shepherd needs {head}: "
-            "run `shepherd migrate`"
-        )
-    return bmdb
-
-
-def make_provider(settings: Settings) -> Provider:
-    if settings.provider == "sim":
-        return SimProvider(settings.sim_api_url, timeout=settings.provider_timeout)
-    raise SettingsError("provider", f"unknown provider {settings.provider!r}")
-
-
-async def build_deps(settings: Settings, client: Client, database_url: str) -> ActivityDeps:
-    settings.check_agent()
-    ssh_key = load_or_create_ssh_key(settings.effective_ssh_key_path)
-    assert settings.agent_executable_path is not None
-    agent_executable = settings.agent_executable_path.read_bytes()
-    ca_certificate = b""
-    if settings.agent_endpoint_ca_certificate_path is not None:
-        ca_certificate = load_ca_certificate(settings.agent_endpoint_ca_certificate_path.read_bytes())
-    bmdb = await open_bmdb(database_url)
-    provider = make_provider(settings)
-    return ActivityDeps(
-        settings=settings,
-        bmdb=bmdb,
-        providers={provider.type: provider},
-        client=client,
-        ssh_key=ssh_key,
-        ssh_public_key=public_key_openssh(ssh_key),
-        agent_executable=agent_executable,
-        ca_certificate=ca_certificate,
-    )
-
-
-def load_ca_certificate(pem: bytes) -> bytes:
-    """DER bytes of the PEM certificate the agents trust for their endpoint."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives.serialization import Encoding
-
-    try:
-        return x509.load_pem_x509_certificate(pem).public_bytes(Encoding.DER)
-    except ValueError as error:
-        raise SettingsError("agent_endpoint_ca_certificate_path", f"not a PEM X.509 certificate: {error}") from None
 
 
 def build_worker(client: Client, deps: ActivityDeps) -> Worker:
@@ -170,17 +66,6 @@ def build_worker(client: Client, deps: ActivityDeps) -> Worker:
         max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
         max_activities_per_second=settings.max_activities_per_second or None,
         graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
-    )
-
-
-def fleet_input(settings: Settings) -> FleetInput:
-    return FleetInput(
-        first_heartbeat_within=settings.first_heartbeat_timeout,
-        heartbeat_within=settings.heartbeat_timeout,
-        provider=settings.provider,
-        max_machines=settings.max_machines,
-        chunk_size=settings.chunk_size,
-        device_creation_interval=settings.device_creation_interval,
     )
 
 
@@ -250,8 +135,8 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
     except MetricsUnavailable as error:
         raise StartupError(str(error)) from None
     client = await connect_temporal(settings, runtime)
-    await check_search_attributes(client, settings)
-    deps = await build_deps(settings, client, database_url)
+    await check_search_attributes(client, settings.temporal_namespace, SEARCH_ATTRIBUTES)
+    deps = await open_activity_deps(settings, client, database_url)
     deps.metrics = WorkerMetrics.on(meter_of(runtime))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -26,11 +26,12 @@ from google.protobuf.message import DecodeError
 from sqlalchemy.exc import SQLAlchemyError
 from temporalio.common import MetricMeter
 
-from agent.heartbeat import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
+from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
 from foundation.metrics import meter_of, metrics_runtime
 from foundation.settings import Settings
 from proto import agent_api_pb2
+from proto.signing import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 
 log = logging.getLogger("shepherd.heartbeat")
 
@@ -178,8 +179,6 @@ def build_server(service: HeartbeatService, listen: str, tls: tuple[Path, Path] 
 
 async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: asyncio.Event | None = None) -> None:
     """Serve heartbeats until SIGTERM/SIGINT (or stop is set)."""
-    from worker import open_bmdb
-
     runtime = metrics_runtime(settings.metrics_listen, "heartbeat-server")
     bmdb = await open_bmdb(database_url)
     tls = None

@@ -1,0 +1,51 @@
+"""What every process and command does first: reach Temporal, and say in one line why it could not.
+
+A process that cannot start raises StartupError with the part, the reason and
+the setting to look at; the commands print it as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.client import Client
+from temporalio.common import SearchAttributeKey
+from temporalio.runtime import Runtime
+from temporalio.service import RPCError
+
+from foundation.settings import Settings
+
+
+class StartupError(Exception):
+    """A process cannot start; the message says which part and why."""
+
+
+async def connect_temporal(settings: Settings, runtime: Runtime | None = None) -> Client:
+    """A Temporal client for the configured address and namespace."""
+    try:
+        return await Client.connect(
+            settings.temporal_address, namespace=settings.temporal_namespace, runtime=runtime or Runtime.default()
+        )
+    except Exception as error:
+        raise StartupError(
+            f"cannot reach Temporal at {settings.temporal_address} (setting temporal_address), "
+            f"namespace {settings.temporal_namespace!r}: {error}"
+        ) from error
+
+
+async def check_search_attributes(client: Client, namespace: str, keys: Sequence[SearchAttributeKey]) -> None:
+    """Refuse a namespace without these search attributes, naming the commands that register them."""
+    try:
+        listed = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+    except RPCError as error:
+        raise StartupError(f"cannot list the search attributes of namespace {namespace!r}: {error}") from error
+    missing = [key.name for key in keys if key.name not in listed.custom_attributes]
+    if missing:
+        commands = "; ".join(
+            f"temporal operator search-attribute create --namespace {namespace} --name {name} --type Keyword"
+            for name in missing
+        )
+        raise StartupError(
+            f"namespace {namespace!r} lacks the search attributes {', '.join(missing)}; register them once: {commands}"
+        )

@@ -1,0 +1,52 @@
+"""Workflow inputs made from settings: the one place where a setting becomes a payload.
+
+A workflow never reads settings; what it needs of them travels in its input,
+so a run keeps the values it started with and the UI shows them.
+"""
+
+from __future__ import annotations
+
+from foundation.settings import Settings
+from lifecycle.contracts import Backoff, FleetInput, LifecyclePolicy, MachineInput
+
+
+def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
+    """Back-offs and attempt timeouts of every lifecycle step."""
+    return LifecyclePolicy(
+        provision_backoff=Backoff(
+            settings.provision_backoff_initial,
+            settings.provision_backoff_maximum,
+            settings.provision_backoff_multiplier,
+        ),
+        agent_start_backoff=Backoff(
+            settings.agent_start_backoff_initial,
+            settings.agent_start_backoff_maximum,
+            settings.agent_start_backoff_multiplier,
+        ),
+        recovery_backoff=Backoff(
+            settings.recovery_backoff_initial, settings.recovery_backoff_maximum, settings.recovery_backoff_multiplier
+        ),
+        # An attempt may take every retry of its provider calls, SSH connect and run included.
+        provision_timeout=3 * settings.provider_timeout + 30,
+        agent_start_timeout=settings.provider_timeout + settings.ssh_connect_timeout + settings.ssh_exec_timeout + 30,
+        recovery_timeout=3 * settings.provider_timeout + 30,
+    )
+
+
+def machine_input(settings: Settings, provider: str, provider_id: str, machine_id: str) -> MachineInput:
+    """The first run's input of a machine's workflow."""
+    return MachineInput(
+        provider=provider, provider_id=provider_id, machine_id=machine_id, policy=lifecycle_policy(settings)
+    )
+
+
+def fleet_input(settings: Settings) -> FleetInput:
+    """The input the fleet schedule starts every pass with."""
+    return FleetInput(
+        provider=settings.provider,
+        max_machines=settings.max_machines,
+        chunk_size=settings.chunk_size,
+        device_creation_interval=settings.device_creation_interval,
+        first_heartbeat_within=settings.first_heartbeat_timeout,
+        heartbeat_within=settings.heartbeat_timeout,
+    )

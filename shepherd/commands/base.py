@@ -1,0 +1,153 @@
+"""What every command shares: its errors and exit codes, argument types, the common flags, and opening BMDB.
+
+Every subcommand reads its settings from ``SHEPHERD_*`` environment variables
+(below them an optional TOML file); flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeAlias, TypeVar
+
+from bmdb.local_postgres import LocalPostgres
+from bmdb.migrate import open_bmdb
+from bmdb.store import BMDB
+from foundation.settings import Settings, parse_duration
+from shepherd.commands.machine_ref import MachineNotFound
+
+# What each command's register() adds its parser to.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+# What `shepherd COMMAND -h` calls the MACHINE argument.
+MACHINE_HELP = "BMDB machine id (or a unique prefix), provider id or workflow id"
+# Long enough for any operator's note, short enough for a status line.
+MAX_REASON_LENGTH = 500
+
+# The flags that are settings too; a flag given wins over the environment and the file.
+_SETTING_FLAGS = (
+    "temporal_address",
+    "temporal_namespace",
+    "database_url",
+    "state_dir",
+    "task_queue",
+    "heartbeat_listen",
+)
+
+
+class CommandError(Exception):
+    """A command could not do its job; the message is shown as it is, and the exit code is 1."""
+
+
+class UsageError(Exception):
+    """The arguments do not go together; shown with the usage, and the exit code is 2."""
+
+
+def duration_arg(text: str) -> float:
+    """An argparse type: seconds from 30s, 250ms, 5m, 4h."""
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_reason(text: str) -> str:
+    """An operator's reason, stripped; refused when empty or too long to keep."""
+    reason = text.strip()
+    if not reason:
+        raise ValueError("the reason is empty; say why the machine needs a reboot")
+    if len(reason) > MAX_REASON_LENGTH:
+        raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
+    return reason
+
+
+def reason_arg(text: str) -> str:
+    """An argparse type: check_reason."""
+    try:
+        return check_reason(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """The flags every command takes: where Temporal, BMDB, the state and the settings file are."""
+    defaults = Settings()
+    parser.add_argument("--temporal-address", help=f"Temporal frontend host:port (default {defaults.temporal_address})")
+    parser.add_argument("--namespace", dest="temporal_namespace", help="Temporal namespace")
+    parser.add_argument("--database-url", help="BMDB URL; unset: a local PostgreSQL under --state-dir")
+    parser.add_argument("--state-dir", type=Path, help=f"directory for local state (default {defaults.state_dir})")
+    parser.add_argument("--config", type=Path, help="TOML file of settings, below the environment (SHEPHERD_CONFIG)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+
+
+def resolve_settings(args: argparse.Namespace) -> tuple[Settings, dict[str, str]]:
+    """The settings with the flags given on top, and where each one came from."""
+    overrides: dict[str, Any] = {}
+    for name in _SETTING_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings.resolve(config_path=getattr(args, "config", None), **overrides)
+
+
+@contextmanager
+def database(settings: Settings) -> Iterator[str]:
+    """The BMDB URL from settings, or a local PostgreSQL's while the block runs."""
+    if settings.database_url:
+        yield settings.database_url
+        return
+    with LocalPostgres(settings.state_dir / "postgres") as url:
+        yield url
+
+
+async def no_temporal() -> None:
+    """For with_bmdb: a command that needs BMDB alone."""
+    return None
+
+
+def with_bmdb(
+    settings: Settings,
+    first: Callable[[], Awaitable[C]],
+    act: Callable[[C, BMDB], Awaitable[T]],
+    *errors: type[Exception],
+) -> T:
+    """Run act with what first connects (Temporal, or nothing) and BMDB open.
+
+    A machine not found, or one of errors, ends the command with its message.
+    """
+
+    async def run(url: str) -> T:
+        connected = await first()
+        bmdb = await open_bmdb(url)
+        try:
+            return await act(connected, bmdb)
+        finally:
+            await bmdb.close()
+
+    told: tuple[type[Exception], ...] = (MachineNotFound, *errors)
+    with database(settings) as url:
+        try:
+            return asyncio.run(run(url))
+        except told as error:
+            raise CommandError(str(error)) from None

@@ -1,0 +1,25 @@
+"""``shepherd migrate``: create or upgrade the BMDB schema; safe to run again."""
+
+from __future__ import annotations
+
+import argparse
+
+from bmdb import migrate
+from foundation.settings import Settings, redact_url
+from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, database
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("migrate", help="create or upgrade the BMDB schema")
+    add_common(parser)
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    with database(settings) as url:
+        try:
+            migrate.upgrade(url)
+        except Exception as error:
+            raise CommandError(f"cannot migrate BMDB at {redact_url(url)}: {error}") from None
+        print(f"BMDB at {redact_url(url)} is at schema revision {migrate.current_revision(url)}")
+    return EXIT_OK

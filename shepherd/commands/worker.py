@@ -1,0 +1,24 @@
+"""``shepherd worker``: run a worker process against Temporal and BMDB until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from foundation.settings import Settings
+from processes.worker import run_worker
+from shepherd.commands.base import EXIT_OK, Subcommands, add_common, database
+
+
+def register(commands: Subcommands) -> None:
+    parser = commands.add_parser("worker", help="run a worker against Temporal and BMDB")
+    add_common(parser)
+    parser.add_argument("--task-queue", help=f"task queue (default {Settings().task_queue})")
+    parser.set_defaults(run=run)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    settings.check_agent()
+    with database(settings) as url:
+        asyncio.run(run_worker(settings, url))
+    return EXIT_OK
