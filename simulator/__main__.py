@@ -19,13 +19,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shepherd sim", description="Run the fleet simulator.")
     parser.add_argument("--machines", type=int, default=20, help="capacity slots (default 20)")
     parser.add_argument("--state-dir", type=Path, default=Path(".shepherd/sim"), help="where the fleet is kept")
-    parser.add_argument("--api-host", default="127.0.0.1")
-    parser.add_argument("--api-port", type=int, default=8800)
-    parser.add_argument("--ssh-host", default="127.0.0.1", help="address the machines' SSH servers listen on")
-    parser.add_argument("--boot-seconds", type=float, default=2.0, help="SSH downtime of a reboot")
-    parser.add_argument("--api-latency", type=float, default=0.0, help="seconds added to every API call")
-    parser.add_argument("--api-error-rate", type=float, default=0.0, help="fraction of API calls answered 503")
-    parser.add_argument("--api-malformed-rate", type=float, default=0.0, help="fraction answered with garbage")
+    # Defaults are SimulatorConfig's and Faults', so the command and the class cannot disagree.
+    parser.add_argument("--api-host", default=SimulatorConfig.api_host)
+    parser.add_argument("--api-port", type=int, default=SimulatorConfig.api_port)
+    parser.add_argument(
+        "--ssh-host", default=SimulatorConfig.ssh_host, help="address the machines' SSH servers listen on"
+    )
+    parser.add_argument(
+        "--boot-seconds", type=float, default=SimulatorConfig.boot_seconds, help="SSH downtime of a reboot"
+    )
+    parser.add_argument("--api-latency", type=float, default=Faults.api_latency, help="seconds added to every API call")
+    parser.add_argument(
+        "--api-error-rate", type=float, default=Faults.api_error_rate, help="fraction of API calls answered 503"
+    )
+    parser.add_argument(
+        "--api-malformed-rate", type=float, default=Faults.api_malformed_rate, help="fraction answered with garbage"
+    )
     parser.add_argument(
         "--ssh-refuse",
         action="append",
@@ -33,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help="machine whose SSH refuses connections ('*' for all); repeatable",
     )
-    parser.add_argument("--exec-delay", type=float, default=0.0, help="seconds before an exec'd process starts")
+    parser.add_argument(
+        "--exec-delay", type=float, default=Faults.exec_delay, help="seconds before an exec'd process starts"
+    )
     parser.add_argument("--metrics-listen", default="", help="host:port to serve Prometheus /metrics on")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="log lines as text or json")
     return parser
