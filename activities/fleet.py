@@ -53,6 +53,8 @@ async def each_at_most(items: Sequence[T], limit: int, act: Callable[[T], Awaita
 
 
 class FleetActivities:
+    """Side effects of the fleet reconcile pass: plan it, admit machines, start missing workflows, signal the silent."""
+
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
 
@@ -105,7 +107,7 @@ class FleetActivities:
             try:
                 await handle.signal(HEARTBEAT_LOST_SIGNAL, machine.cause())
             except RPCError as error:
-                # No running workflow: the ensure step of this pass starts one.
+                # No running workflow: the ensure step of the next pass starts one.
                 log.warning("cannot signal %s: %s", handle.id, error)
                 return None
             return machine.provider_id

@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 
 class ProvisioningActivities:
+    """Side effects of PROVISIONING: create the machine at its provider and record it in BMDB."""
+
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
 

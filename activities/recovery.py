@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 
 
 class RecoveryActivities:
+    """Side effects of RECOVERING: reboot the machine through its provider and forget its agent in BMDB."""
+
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
 

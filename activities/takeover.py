@@ -30,6 +30,8 @@ def _facts(started_at: datetime, public_key: bytes, warnings: list[str]) -> Agen
 
 
 class TakeoverActivities:
+    """Side effects of AGENT_STARTING: start the agent over SSH, then record its key and the host key in BMDB."""
+
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
         self.takeover_settings = TakeoverSettings.of(deps.settings, deps.agent_executable, deps.ca_certificate)

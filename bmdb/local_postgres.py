@@ -1,4 +1,4 @@
-"""A local PostgreSQL for the embedded stack and the tests (the pgserver wheel)."""
+"""A local PostgreSQL under the state dir (the pgserver wheel): BMDB wherever database_url is unset."""
 
 from __future__ import annotations
 

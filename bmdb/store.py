@@ -45,6 +45,8 @@ class ProvidedMachine:
 
 @dataclass(frozen=True)
 class MachineRecord:
+    """One managed machine as BMDB has it: where it is, its pinned host key, its agent and its last heartbeat."""
+
     machine_id: uuid.UUID
     provider: str
     provider_id: str
@@ -60,6 +62,8 @@ class MachineRecord:
 
 @dataclass(frozen=True)
 class SilentMachine:
+    """A machine whose agent the watchdog rule finds silent; cause() says why, for the heartbeat_lost signal."""
+
     machine_id: uuid.UUID
     provider_id: str
     agent_started_at: datetime
@@ -73,6 +77,8 @@ class SilentMachine:
 
 @dataclass(frozen=True)
 class Event:
+    """One entry of BMDB's event log; machine_id is None for a fleet-wide event."""
+
     machine_id: uuid.UUID | None
     at: datetime
     kind: str

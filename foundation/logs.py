@@ -43,6 +43,8 @@ class ContextFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
+    """Log lines as text, with the FIELDS a record has in brackets after the message."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -56,6 +58,8 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    """Log lines as one JSON object each, with the FIELDS a record has and any traceback as ``error``."""
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
@@ -93,6 +97,8 @@ class LogContextInterceptor(Interceptor):
 
 
 class _ActivityLogContext(ActivityInboundInterceptor):
+    """Sets the machine fields of an activity's input, and its workflow id, for the lines it logs."""
+
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
         fields = {"workflow_id": activity.info().workflow_id or ""}
         if input.args:

@@ -61,6 +61,8 @@ def _setting(default: Any, doc: str) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
+    """Every setting of Shepherd, with its default and meaning; read by from_env (or resolve), checked by check()."""
+
     # Temporal
     temporal_address: str = _setting("localhost:7233", "Temporal frontend host:port")
     temporal_namespace: str = _setting("default", "Temporal namespace")

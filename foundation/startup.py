@@ -1,7 +1,7 @@
-"""What every process and command does first: reach Temporal, and say in one line why it could not.
+"""Reaching Temporal at start, and StartupError: why a process or command could not start, in one line.
 
-A process that cannot start raises StartupError with the part, the reason and
-the setting to look at; the commands print it as it is.
+StartupError names the part, the reason and the setting to look at; the
+commands print it as it is. BMDB is opened the same way by bmdb.migrate.open_bmdb.
 """
 
 from __future__ import annotations

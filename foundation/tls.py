@@ -22,6 +22,8 @@ from foundation.settings import SettingsError
 
 @dataclass(frozen=True)
 class LocalCertificates:
+    """Paths of the private CA's certificate and of the server certificate and key it issued."""
+
     ca_certificate: Path
     server_certificate: Path
     server_key: Path

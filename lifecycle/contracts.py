@@ -26,6 +26,8 @@ SEARCH_ATTRIBUTES = (MACHINE_STAGE, PROVIDER, PROVIDER_ID, MACHINE_ID)
 
 
 class MachineStage(enum.StrEnum):
+    """Where a machine is in its lifecycle: MachineWorkflow's stage, and its MachineStage search attribute."""
+
     PROVISIONING = "PROVISIONING"
     AGENT_STARTING = "AGENT_STARTING"
     WATCHING = "WATCHING"
@@ -99,6 +101,8 @@ class LifecyclePolicy:
 
 @dataclass
 class AgentFacts:
+    """What start_agent returns to MachineWorkflow about the agent it started: when, its key, its warnings."""
+
     started_at: str
     key_fingerprint: str
     warnings: list[str] = field(default_factory=list)
@@ -106,6 +110,8 @@ class AgentFacts:
 
 @dataclass
 class MachineInput:
+    """Input of MachineWorkflow, from the fleet activities that start it or from its own continue-as-new."""
+
     provider: str
     provider_id: str
     machine_id: str
@@ -120,6 +126,8 @@ class MachineInput:
 
 @dataclass
 class MachineStatus:
+    """What MachineWorkflow's status query answers: one machine's stage, attempts, errors, agent and recoveries."""
+
     machine_id: str
     provider: str
     provider_id: str
@@ -141,6 +149,8 @@ class MachineStatus:
 
 @dataclass(frozen=True)
 class ProvisionInput:
+    """Input of the provision_machine activity, from MachineWorkflow's PROVISIONING step."""
+
     provider: str
     provider_id: str
     machine_id: str
@@ -150,6 +160,8 @@ class ProvisionInput:
 
 @dataclass(frozen=True)
 class ProvisionResult:
+    """What provision_machine returns to MachineWorkflow: where SSH reaches the created machine."""
+
     address: str | None
     ssh_port: int
     location: str | None
@@ -157,6 +169,8 @@ class ProvisionResult:
 
 @dataclass(frozen=True)
 class StartAgentInput:
+    """Input of the start_agent activity, from MachineWorkflow's AGENT_STARTING step."""
+
     provider: str
     provider_id: str
     machine_id: str
@@ -164,6 +178,8 @@ class StartAgentInput:
 
 @dataclass(frozen=True)
 class RebootInput:
+    """Input of the reboot_machine activity, from MachineWorkflow's RECOVERING step; cause is the recovery's reason."""
+
     provider: str
     provider_id: str
     machine_id: str
@@ -175,6 +191,8 @@ class RebootInput:
 
 @dataclass(frozen=True)
 class FleetInput:
+    """Input of FleetWorkflow, the same for every pass the fleet schedule starts; made by lifecycle.inputs."""
+
     provider: str
     max_machines: int
     chunk_size: int
@@ -187,6 +205,8 @@ class FleetInput:
 
 @dataclass(frozen=True)
 class WatchdogInput:
+    """Input of the signal_silent_machines activity, from FleetWorkflow: the silence rule and the pass's clock."""
+
     provider: str
     # The workflow's clock, so the rule is deterministic and testable with skipped time.
     as_of: str
@@ -196,6 +216,8 @@ class WatchdogInput:
 
 @dataclass(frozen=True)
 class ReconcilePassInput:
+    """Input of the plan_reconcile_pass activity, from FleetWorkflow."""
+
     provider: str
     max_machines: int
     chunk_size: int
@@ -203,6 +225,8 @@ class ReconcilePassInput:
 
 @dataclass
 class ReconcilePassPlan:
+    """What plan_reconcile_pass returns to FleetWorkflow: the counts, what to admit and the disagreements."""
+
     provider_count: int
     bmdb_count: int
     managed_count: int
@@ -219,23 +243,31 @@ class ReconcilePassPlan:
 
 @dataclass(frozen=True)
 class AdmitInput:
+    """Input of the admit_machine activity, from FleetWorkflow: one slot of free capacity to bring under management."""
+
     provider: str
     provider_id: str
 
 
 @dataclass(frozen=True)
 class EnsureWorkflowsInput:
+    """Input of the ensure_machine_workflows activity, from FleetWorkflow."""
+
     provider: str
 
 
 @dataclass
 class EnsureWorkflowsResult:
+    """What ensure_machine_workflows returns to FleetWorkflow: machines in BMDB, and whose workflow it started."""
+
     machines: int
     started: list[str]
 
 
 @dataclass
 class FleetPassResult:
+    """What a FleetWorkflow run returns, or carries as its failure's detail, and its status query answers."""
+
     started_at: str
     plan: ReconcilePassPlan | None = None
     admitted: list[str] = field(default_factory=list)

@@ -20,6 +20,8 @@ from providers import Availability, ProviderMachine
 
 @dataclass(frozen=True)
 class Disagreement:
+    """One machine the provider and BMDB disagree on, and how; any one refuses the pass's creations."""
+
     provider_id: str
     machine_id: uuid.UUID | None
     problem: str
@@ -31,6 +33,8 @@ class Disagreement:
 
 @dataclass(frozen=True)
 class ReconcilePlan:
+    """What plan_reconcile decides: the counts, the capacity to bring under management, the disagreements, why."""
+
     provider_count: int
     bmdb_count: int
     # Machines in BMDB, consistent with the provider, counted against the limit.

@@ -81,6 +81,8 @@ class TakeoverSettings:
 
 @dataclass(frozen=True)
 class TakeoverResult:
+    """What take_over returns from an agent that answered: its key, the host key seen, warnings and stderr."""
+
     # The agent's raw ed25519 public key (32 bytes).
     agent_public_key: bytes
     # The host key the SSH server showed, as an OpenSSH public key line; the
@@ -93,6 +95,8 @@ class TakeoverResult:
 
 
 class TakeoverFailure(enum.StrEnum):
+    """Which kind of failure a TakeoverError is; its name becomes the activity error's type and the metric's outcome."""
+
     CONNECT_REFUSED = "CONNECT_REFUSED"
     CONNECT_TIMEOUT = "CONNECT_TIMEOUT"
     AUTH_REJECTED = "AUTH_REJECTED"
@@ -323,6 +327,8 @@ async def _remove_quietly(sftp: asyncssh.SFTPClient, path: str) -> None:
 
 @dataclass(frozen=True)
 class _AgentRun:
+    """What running the agent over SSH gave back: its output, the end of its stderr, and how it exited."""
+
     stdout: bytes
     stderr: bytes
     exit_status: int | None

@@ -44,6 +44,8 @@ KEY_CACHE_SIZE = 100_000
 
 
 class HeartbeatRejected(Exception):
+    """A heartbeat refused: the gRPC status to answer, the result to count it under, and why."""
+
     def __init__(self, code: grpc.StatusCode, result: str, message: str) -> None:
         super().__init__(message)
         self.code = code
@@ -55,6 +57,8 @@ def _reject(code: grpc.StatusCode, result: str, message: str) -> NoReturn:
 
 
 class HeartbeatService:
+    """The agents' Heartbeat call: checks a request's form, clock and signature, then records it in BMDB."""
+
     def __init__(
         self,
         bmdb: BMDB,

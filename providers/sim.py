@@ -60,6 +60,8 @@ def parse_machine(data: Any, where: str) -> ProviderMachine:
 
 
 class SimProvider:
+    """The Provider of the simulator, a client of its HTTP API at api_url."""
+
     def __init__(self, api_url: str, *, timeout: float = 10.0) -> None:
         self.api_url = api_url.rstrip("/")
         self.timeout = timeout

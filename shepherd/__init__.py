@@ -1,1 +1,1 @@
-"""Shepherd: a bare-metal fleet manager on Temporal."""
+"""The ``shepherd`` command: cli.py, and one module per subcommand in commands/."""

@@ -29,6 +29,8 @@ _OUTPUT_GRACE = 1.0
 
 
 class _MachineSSHServer(asyncssh.SSHServer):
+    """One SSH connection to a simulated machine, server side: root may log in with the machine's key only."""
+
     def __init__(self, machine: SimulatedMachine) -> None:
         self.machine = machine
 
@@ -56,6 +58,8 @@ class _MachineSSHServer(asyncssh.SSHServer):
 
 
 class SimulatedMachine:
+    """One created machine of the simulator: its SSH server, the processes run through it, its reboots."""
+
     def __init__(
         self,
         machine_id: str,

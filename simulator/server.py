@@ -26,6 +26,8 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Simulator:
+    """The simulator: provider and admin HTTP APIs over its capacity slots, and an SSH server per created machine."""
+
     def __init__(self, config: SimulatorConfig, meter: MetricMeter = MetricMeter.noop) -> None:
         self.config = config.check()
         self._api_requests = meter.create_counter(

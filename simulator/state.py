@@ -49,6 +49,8 @@ class Faults:
 
 @dataclass
 class SimulatorConfig:
+    """How the simulator runs: slot count, state dir, where it listens, reboot time and faults."""
+
     machines: int
     state_dir: Path
     api_host: str = "127.0.0.1"
@@ -85,6 +87,8 @@ class MachineRecord:
 
 @dataclass
 class FleetState:
+    """The simulator's created machines and how many times each slot was created; kept as JSON across restarts."""
+
     machines: dict[str, MachineRecord] = field(default_factory=dict)
     # How many times each slot was actually created: more than 1 is a duplicate.
     creations: dict[str, int] = field(default_factory=dict)

@@ -34,6 +34,8 @@ _RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=tim
 
 @workflow.defn(name="FleetWorkflow")
 class FleetWorkflow:
+    """One fleet reconcile pass: plan, admit, make sure every machine's workflow runs, signal the silent."""
+
     def __init__(self) -> None:
         self._result: FleetPassResult | None = None
 

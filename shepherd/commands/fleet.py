@@ -27,6 +27,8 @@ class FleetError(Exception):
 
 @dataclass(frozen=True)
 class FleetAction:
+    """What ``shepherd fleet`` was asked to do to the schedule (pause, resume, trigger), with the note."""
+
     pause: bool = False
     resume: bool = False
     trigger: bool = False
@@ -35,6 +37,8 @@ class FleetAction:
 
 @dataclass(frozen=True)
 class FleetPass:
+    """One fleet pass as ``shepherd fleet`` shows it: when it started, how it ended, its result and why."""
+
     started_at: datetime | None
     outcome: str  # running, completed, refused, failed, ...
     result: dict[str, Any]  # FleetPassResult as JSON; empty while running or when nothing came back

@@ -1,4 +1,4 @@
-"""What the fleet looks like: BMDB's records joined with each workflow's stage and recovery count."""
+"""``shepherd machines``: what the fleet looks like, BMDB's records joined with each workflow's stage and recoveries."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ NO_WORKFLOW = "-"
 
 @dataclass(frozen=True)
 class MachineView:
+    """One machine as ``shepherd machines`` lists it: BMDB's record, its workflow's stage, its recoveries."""
+
     record: MachineRecord
     stage: str  # the workflow's MachineStage, or NO_WORKFLOW
     recoveries: int
@@ -115,6 +117,8 @@ def machine_json(view: MachineView) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class MachineFilter:
+    """Which machines ``shepherd machines`` lists: of one stage, of one provider; None admits any."""
+
     stage: str | None = None  # a MachineStage, or NO_WORKFLOW
     provider: str | None = None
 

@@ -47,6 +47,8 @@ class RecoverError(Exception):
 
 @dataclass(frozen=True)
 class RecoverRequest:
+    """What ``shepherd recover`` was asked: the machine, by any of its names, and the operator's reason."""
+
     machine: str  # a BMDB machine id, a provider id or a workflow id
     reason: str
 

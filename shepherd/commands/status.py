@@ -2,7 +2,7 @@
 
 The workflow's ``status`` query knows the stage, attempts, errors and
 recoveries; the agent's heartbeats live in BMDB only (a healthy machine's
-workflow is never woken for them). This view puts both on one page.
+workflow is never woken for them). This command puts both on one page.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ _VALUE_WIDTH = 80 - 20
 
 @dataclass(frozen=True)
 class MachineDetail:
+    """One machine as ``shepherd status`` shows it: BMDB's record beside its workflow's state and status."""
+
     record: MachineRecord
     recoveries: int  # reboots in the event log, across every workflow run
     workflow_id: str
