@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+import json
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TextIO, TypeAlias, TypeVar
 
 from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import open_bmdb
@@ -88,6 +90,25 @@ def reason_arg(text: str) -> str:
         return check_reason(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def show(
+    out: TextIO | None,
+    as_json: bool,
+    document: Callable[[], Any],
+    lines: Callable[[], Iterable[str]],
+    *,
+    indent: int | None = 2,
+) -> int:
+    """Print a command's answer to out (stdout): the document as JSON with --json, else its lines; exit code 0."""
+    out = out or sys.stdout
+    if as_json:
+        json.dump(document(), out, indent=indent)
+        out.write("\n")
+    else:
+        for line in lines():
+            print(line, file=out)
+    return EXIT_OK
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

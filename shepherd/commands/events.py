@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import TextIO
 
 from bmdb.store import BMDB, Event, MachineRecord
 from foundation.settings import Settings
 from lifecycle.contracts import machine_workflow_id
-from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, no_temporal, positive_int, with_bmdb
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, no_temporal, positive_int, show, with_bmdb
 from shepherd.commands.machine_ref import resolve_machine
 
 _DETAIL_WIDTH = 80 - 19 - 18 - 2
@@ -36,15 +34,14 @@ def format_events(record: MachineRecord, events: list[Event]) -> list[str]:
 async def print_events(bmdb: BMDB, name: str, limit: int, *, as_json: bool = False, out: TextIO | None = None) -> int:
     record = await resolve_machine(bmdb, name)
     events = await bmdb.list_events(record.machine_id, limit=limit)
-    out = out or sys.stdout
-    if as_json:
-        rows = [{"at": e.at.isoformat(), "kind": e.kind, "detail": e.detail} for e in events]
-        json.dump({"machine_id": str(record.machine_id), "provider_id": record.provider_id, "events": rows}, out)
-        out.write("\n")
-        return 0
-    for line in format_events(record, events):
-        print(line, file=out)
-    return 0
+    rows = [{"at": e.at.isoformat(), "kind": e.kind, "detail": e.detail} for e in events]
+    return show(
+        out,
+        as_json,
+        lambda: {"machine_id": str(record.machine_id), "provider_id": record.provider_id, "events": rows},
+        lambda: format_events(record, events),
+        indent=None,
+    )
 
 
 def register(commands: Subcommands) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import textwrap
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,7 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
-from shepherd.commands.base import CommandError, Subcommands, UsageError, add_common, positive_int
+from shepherd.commands.base import CommandError, Subcommands, UsageError, add_common, positive_int, show
 
 
 class FleetError(Exception):
@@ -157,29 +155,24 @@ def format_passes(passes: list[FleetPass]) -> list[str]:
 async def print_fleet(
     client: Client, action: FleetAction, *, passes: int = 5, as_json: bool = False, out: TextIO | None = None
 ) -> int:
-    out = out or sys.stdout
     done = await apply(client, action)
     line, facts = await schedule_line(client)
     recent = await last_passes(client, passes)
-    if as_json:
-        rows = [
-            {
-                "started_at": p.started_at.isoformat() if p.started_at else None,
-                "outcome": p.outcome,
-                "why": p.why,
-                "result": p.result,
-            }
-            for p in recent
-        ]
-        json.dump({"schedule": facts, "passes": rows}, out, indent=2)
-        out.write("\n")
-        return 0
-    if done:
-        print(done, file=out)
-    print(line, file=out)
-    for text in format_passes(recent):
-        print(text, file=out)
-    return 0
+    rows = [
+        {
+            "started_at": p.started_at.isoformat() if p.started_at else None,
+            "outcome": p.outcome,
+            "why": p.why,
+            "result": p.result,
+        }
+        for p in recent
+    ]
+    return show(
+        out,
+        as_json,
+        lambda: {"schedule": facts, "passes": rows},
+        lambda: [*([done] if done else []), line, *format_passes(recent)],
+    )
 
 
 def register(commands: Subcommands) -> None:

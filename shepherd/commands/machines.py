@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,7 +16,7 @@ from bmdb.store import BMDB, MachineRecord
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import MACHINE_STAGE, RUNNING_MACHINES, MachineStage, machine_workflow_id
-from shepherd.commands.base import Subcommands, add_common, database
+from shepherd.commands.base import Subcommands, add_common, database, show
 
 NO_WORKFLOW = "-"
 
@@ -142,14 +140,9 @@ async def print_machines(
         views = [view for view in await fleet_view(client, bmdb) if only.admits(view)]
     finally:
         await bmdb.close()
-    out = out or sys.stdout
-    if as_json:
-        json.dump([machine_json(view) for view in views], out, indent=2)
-        out.write("\n")
-        return 0
-    for line in format_machines(views, datetime.now(UTC)):
-        print(line, file=out)
-    return 0
+    return show(
+        out, as_json, lambda: [machine_json(view) for view in views], lambda: format_machines(views, datetime.now(UTC))
+    )
 
 
 def stage_arg(text: str) -> str:

@@ -8,8 +8,6 @@ workflow is never woken for them). This command puts both on one page.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
@@ -21,7 +19,7 @@ from bmdb.store import BMDB, MachineRecord
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
-from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, with_bmdb
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, show, with_bmdb
 from shepherd.commands.machine_ref import describe_workflow, resolve_machine
 from shepherd.commands.machines import age, record_json
 
@@ -132,14 +130,7 @@ async def print_status(
     client: Client, bmdb: BMDB, name: str, *, as_json: bool = False, out: TextIO | None = None
 ) -> int:
     detail = await machine_detail(client, bmdb, name)
-    out = out or sys.stdout
-    if as_json:
-        json.dump(detail_json(detail), out, indent=2)
-        out.write("\n")
-        return 0
-    for line in format_detail(detail, datetime.now(UTC)):
-        print(line, file=out)
-    return 0
+    return show(out, as_json, lambda: detail_json(detail), lambda: format_detail(detail, datetime.now(UTC)))
 
 
 def register(commands: Subcommands) -> None:
