@@ -16,7 +16,7 @@ from activities.workflow_start import start_machine_workflow
 from bmdb.store import ProvidedMachine, SilentMachine
 from lifecycle.contracts import (
     HEARTBEAT_LOST_SIGNAL,
-    MACHINE_WORKFLOW_TYPE,
+    RUNNING_MACHINES,
     AdmitInput,
     EnsureWorkflowsInput,
     EnsureWorkflowsResult,
@@ -131,8 +131,7 @@ class FleetActivities:
         """Start the workflow of every BMDB machine that has none running."""
         in_bmdb = await self.deps.bmdb.list_provided(input.provider)
         running: set[str] = set()
-        query = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
-        async for execution in self.deps.client.list_workflows(query):
+        async for execution in self.deps.client.list_workflows(RUNNING_MACHINES):
             running.add(execution.id)
 
         async def start(machine: ProvidedMachine) -> str | None:

@@ -34,7 +34,14 @@ from foundation.logs import LogContextInterceptor
 from foundation.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metrics_runtime
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
-from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_ID, RUNNING_MACHINES, SEARCH_ATTRIBUTES, MachineStage
+from lifecycle.contracts import (
+    FLEET_SCHEDULE_ID,
+    FLEET_WORKFLOW_ID,
+    MACHINE_STAGE,
+    RUNNING_MACHINES,
+    SEARCH_ATTRIBUTES,
+    MachineStage,
+)
 from lifecycle.inputs import fleet_input
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
@@ -110,7 +117,7 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
     while not stop.is_set():
         try:
             for stage in MachineStage:
-                counted = await client.count_workflows(f'{RUNNING_MACHINES} AND MachineStage = "{stage.value}"')
+                counted = await client.count_workflows(f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} = "{stage.value}"')
                 deps.metrics.machines.set(counted.count, {"stage": stage.value})
             deps.metrics.heartbeat_age_max.set(await deps.bmdb.oldest_heartbeat_age() or 0.0)
             silent = await deps.bmdb.silent_machines(

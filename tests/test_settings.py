@@ -1,8 +1,9 @@
+import re
 from pathlib import Path
 
 import pytest
 
-from foundation.settings import Settings, SettingsError, parse_duration
+from foundation.settings import Settings, SettingsError, describe, parse_duration
 from lifecycle.inputs import lifecycle_policy
 
 
@@ -133,3 +134,36 @@ def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(SettingsError) as caught:
         Settings.resolve({"SHEPHERD_CONFIG": str(tmp_path / "nope.toml")})
     assert caught.value.setting == "config" and f"cannot read {tmp_path / 'nope.toml'}" in str(caught.value)
+
+
+def readme_settings_table() -> list[tuple[str, str]]:
+    """(variable, default as written) of every setting in the README's table; `A` / `_B` rows share A's stem."""
+    known = {name for name, _, _ in describe()}
+    rows = []
+    for line in (Path(__file__).parent.parent / "README.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`SHEPHERD_"):
+            continue
+        names = re.findall(r"`([A-Z_]+)`", cells[0])
+        defaults = re.findall(r"`([^`]*)`", cells[1])
+        first = names[0]
+        variables = [first] + [
+            next((first[:cut] + tail for cut in range(len(first), 0, -1) if first[:cut] + tail in known), tail)
+            for tail in names[1:]
+        ]
+        written = defaults if len(defaults) == len(variables) else [""] * len(variables)
+        rows += list(zip(variables, written, strict=True))
+    return rows
+
+
+def test_the_readme_states_the_settings_defaults_the_code_has():
+    """The defaults live in Settings alone; the README's table must say the same or it is wrong."""
+    rows = readme_settings_table()
+    assert len(rows) >= 30, "the README's settings table was not found"
+    known = {name for name, _, _ in describe()}
+    assert [variable for variable, _ in rows if variable not in known] == []
+    defaults = Settings()
+    for variable, written in rows:
+        name = variable.removeprefix("SHEPHERD_").lower()
+        if written and getattr(defaults, name) is not None:
+            assert getattr(Settings.from_env({variable: written}), name) == getattr(defaults, name), variable

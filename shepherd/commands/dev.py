@@ -35,7 +35,8 @@ from bmdb.store import BMDB
 from foundation.settings import ENV_PREFIX, Settings
 from foundation.tls import local_certificates
 from lifecycle.contracts import (
-    MACHINE_WORKFLOW_TYPE,
+    MACHINE_STAGE,
+    RUNNING_MACHINES,
     SEARCH_ATTRIBUTES,
     STATUS_QUERY,
     MachineStage,
@@ -459,10 +460,7 @@ class DevStack:
     async def stuck_reasons(client: Client, limit: int = 10) -> list[str]:
         """What the first machines that are not WATCHING are doing, from their status query."""
         reasons = []
-        query = (
-            f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running" '
-            f'AND MachineStage != "{MachineStage.WATCHING.value}"'
-        )
+        query = f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} != "{MachineStage.WATCHING.value}"'
         async for execution in client.list_workflows(query, limit=limit):
             try:
                 status = await client.get_workflow_handle(execution.id).query(STATUS_QUERY, result_type=MachineStatus)
@@ -483,7 +481,7 @@ def register(commands: Subcommands) -> None:
         "--machines",
         type=positive_int,
         default=defaults.machines,
-        help=f"simulated machines (default {defaults.machines})",
+        help="simulated machines (default %(default)s)",
     )
     parser.add_argument(
         "--until-ready", action="store_true", help="exit 0 once every machine is WATCHING, non-zero after --timeout"

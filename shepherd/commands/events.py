@@ -48,7 +48,7 @@ def register(commands: Subcommands) -> None:
     parser = commands.add_parser("events", help="a machine's event log, newest first")
     add_common(parser)
     parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
-    parser.add_argument("--limit", type=positive_int, default=50, help="at most this many events (default 50)")
+    parser.add_argument("--limit", type=positive_int, default=50, help="at most this many events (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="JSON, with details uncut")
     parser.set_defaults(run=run)
 

@@ -183,7 +183,9 @@ def register(commands: Subcommands) -> None:
     change.add_argument("--resume", action="store_true", help="schedule passes again")
     change.add_argument("--trigger", action="store_true", help="run a pass now")
     parser.add_argument("--note", default="", help="why, kept with the schedule's state (with --pause/--resume)")
-    parser.add_argument("--passes", type=positive_int, default=5, help="how many recent passes to show (default 5)")
+    parser.add_argument(
+        "--passes", type=positive_int, default=5, help="how many recent passes to show (default %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="JSON instead of the table")
     parser.set_defaults(run=run)
 
