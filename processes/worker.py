@@ -50,6 +50,7 @@ log = logging.getLogger("shepherd.worker")
 
 
 def build_worker(client: Client, deps: ActivityDeps) -> Worker:
+    """A worker of both workflows and every activity on settings.task_queue; it runs inside `async with`."""
     settings = deps.settings
     fleet = FleetActivities(deps)
     provisioning = ProvisioningActivities(deps)
