@@ -22,7 +22,7 @@ from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import load_ca_certificate
 from providers import Provider, ProviderError
-from providers.registry import provider_from_settings
+from providers.registry import open_providers
 
 
 @dataclass
@@ -64,11 +64,11 @@ async def open_activity_deps(settings: Settings, client: Client, database_url: s
     ca_certificate = load_ca_certificate(ca_path) if ca_path is not None else b""
     agent_executable = settings.agent_executable_path.read_bytes()
     bmdb = await open_bmdb(database_url)
-    provider = provider_from_settings(settings)
+    providers = open_providers(settings)
     return ActivityDeps(
         settings=settings,
         bmdb=bmdb,
-        providers={provider.type: provider},
+        providers=providers,
         client=client,
         ssh_key=ssh_key,
         ssh_public_key=public_key_openssh(ssh_key),

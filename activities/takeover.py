@@ -57,7 +57,7 @@ class TakeoverActivities:
             machine_id=input.machine_id,
             address=machine.address,
             port=machine.ssh_port,
-            username=self.deps.settings.ssh_user,
+            username=machine.ssh_user or self.deps.settings.ssh_user,
             pinned_host_key=record.ssh_host_key,
         )
         try:

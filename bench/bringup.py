@@ -172,7 +172,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
     from activities.deps import open_activity_deps
     from activities.workflow_start import start_machine_workflow
     from lifecycle.contracts import SEARCH_ATTRIBUTES, machine_workflow_id
-    from processes.worker import build_worker
+    from processes.worker import serving
     from shepherd.commands.dev import temporal_cli
 
     sim = simulator(tmp, machines)
@@ -210,7 +210,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
                 slot, machine_id = slot_and_machine
                 return await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
 
-            async with build_worker(env.client, deps):
+            async with serving(env.client, deps):
                 stopwatch = Stopwatch()
                 machine_ids = [machine_id for machine_id, _ in admitted]
                 await each_at_most(list(zip(sim.slots, machine_ids, strict=True)), START_CONCURRENCY, start)

@@ -84,6 +84,9 @@ def configure_logging(log_format: str = "text", *, verbose: bool = False) -> Non
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # sushy logs "authentication failed, check credentials" at ERROR on every BMC without a session service,
+    # then falls back to Basic auth, which works; what really fails reaches Shepherd's own error messages.
+    logging.getLogger("sushy").setLevel(logging.DEBUG if verbose else logging.CRITICAL)
     # The fields carry what the SDK would otherwise append to every message as a dict.
     workflow.logger.workflow_info_on_message = False
     activity.logger.activity_info_on_message = False

@@ -65,6 +65,6 @@ class WorkerMetrics:
                 "shepherd_heartbeat_age_max_seconds", "Oldest last heartbeat among machines with an agent", "s"
             ),
             machines_silent=meter.create_gauge(
-                "shepherd_machines_silent", "Machines the watchdog rule finds silent right now"
+                "shepherd_machines_silent", "Machines the watchdog rule finds silent right now, by provider instance"
             ),
         )

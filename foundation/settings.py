@@ -51,6 +51,49 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
 
 
+# A provider instance's name is part of workflow ids, schedule ids and task queues.
+_INSTANCE_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+_INSTANCE_KEYS = ("name", "type", "activities_per_second")
+
+
+@dataclass(frozen=True)
+class ProviderInstance:
+    """One source of machines a deployment manages: a name, a provider type and that type's options."""
+
+    # Part of workflow ids, BMDB keys and the Provider search attribute.
+    name: str
+    # An entry point of the group shepherd.providers (sim and static are Shepherd's own).
+    type: str
+    # The type's own options (the static provider's inventory, the simulator's api_url); checked by the type.
+    options: Mapping[str, Any] = field(default_factory=dict)
+    # Temporal's server-side limit on this instance's provider activities, across all workers; 0: none.
+    activities_per_second: float = 0.0
+
+
+def _provider_instances(value: Any, path: Path) -> tuple[ProviderInstance, ...]:
+    """The [[providers]] tables of a settings file, checked for shape; the types check their own options."""
+    if not isinstance(value, list) or not all(isinstance(table, dict) for table in value):
+        raise SettingsError("providers", f"must be [[providers]] tables in {path}")
+    instances = []
+    for number, table in enumerate(value, 1):
+        where = f"[[providers]] table {number} in {path}"
+        name, kind = table.get("name"), table.get("type")
+        if not isinstance(name, str) or not _INSTANCE_NAME.match(name):
+            raise SettingsError("providers", f"{where}: name must match {_INSTANCE_NAME.pattern}, got {name!r}")
+        if not isinstance(kind, str) or not kind:
+            raise SettingsError("providers", f"{where} ({name}): type must name a provider type, got {kind!r}")
+        rate = table.get("activities_per_second", 0.0)
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or rate < 0:
+            raise SettingsError("providers", f"{where} ({name}): activities_per_second must be >= 0, got {rate!r}")
+        options = {key: option for key, option in table.items() if key not in _INSTANCE_KEYS}
+        instances.append(ProviderInstance(name, kind, options, float(rate)))
+    names = [instance.name for instance in instances]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise SettingsError("providers", f"each name once in {path}; given more than once: {', '.join(twice)}")
+    return tuple(instances)
+
+
 def _duration(default: float, doc: str) -> Any:
     return field(default=default, metadata={"duration": True, "doc": doc})
 
@@ -75,9 +118,11 @@ class Settings:
     state_dir: Path = _setting(Path(".shepherd"), "Directory for local state (embedded PostgreSQL, keys)")
 
     # Provider
-    provider: str = _setting("sim", "Provider type; 'sim' is the simulator")
+    provider: str = _setting("sim", "Provider of the one instance when no [[providers]] are configured; 'sim'")
+    providers: tuple[ProviderInstance, ...] = _setting((), "Provider instances: [[providers]] tables in the file")
     sim_api_url: str = _setting("http://127.0.0.1:8800", "Base URL of the simulator's provider API")
     provider_timeout: float = _duration(10.0, "Timeout of one provider API call")
+    reboot_timeout: float = _duration(600.0, "Longest one reboot may take through a provider or BMC, confirmed")
 
     # SSH and the agent
     ssh_key_path: Path | None = _setting(None, "Shepherd's ed25519 SSH key; unset: state_dir/ssh_key")
@@ -132,6 +177,19 @@ class Settings:
     log_format: str = _setting("text", "Log lines as text or json")
 
     @property
+    def provider_instances(self) -> tuple[ProviderInstance, ...]:
+        """The configured [[providers]], or the one instance that the provider setting names."""
+        return self.providers or (ProviderInstance(self.provider, self.provider),)
+
+    def provider_instance(self, name: str) -> ProviderInstance:
+        """The instance of that name; SettingsError when there is none."""
+        for instance in self.provider_instances:
+            if instance.name == name:
+                return instance
+        known = ", ".join(instance.name for instance in self.provider_instances)
+        raise SettingsError("providers", f"no provider instance {name!r} (configured: {known})")
+
+    @property
     def effective_ssh_key_path(self) -> Path:
         return self.ssh_key_path or self.state_dir / "ssh_key"
 
@@ -168,8 +226,8 @@ class Settings:
             raise SettingsError("provision_backoff_maximum", "must not be below provision_backoff_initial")
         if not self.agent_target_path.startswith("/"):
             raise SettingsError("agent_target_path", f"must be an absolute path, got {self.agent_target_path!r}")
-        if self.provider != "sim":
-            raise SettingsError("provider", f"unknown provider {self.provider!r} (known: sim)")
+        if not self.providers and not _INSTANCE_NAME.match(self.provider):
+            raise SettingsError("provider", f"must match {_INSTANCE_NAME.pattern}, got {self.provider!r}")
         if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgresql+")):
             raise SettingsError("database_url", "must be a postgresql:// URL")
         return self
@@ -236,11 +294,18 @@ class Settings:
             for name, value in _read_config_file(path).items():
                 if name not in known:
                     raise SettingsError(name, f"is not a setting Shepherd knows (in {path})")
+                if name == "providers":
+                    values[name], sources[name] = _provider_instances(value, path), f"file {path}"
+                    continue
                 f = next(f for f in fields(cls) if f.name == name)
                 values[name] = _from_toml(name, value, hints[name], bool(f.metadata.get("duration")), path)
                 sources[name] = f"file {path}"
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and f.name == "providers":
+                raise SettingsError(
+                    "providers", "are [[providers]] tables of the settings file (--config), not a variable"
+                )
             if raw is not None:
                 values[f.name] = _convert(f.name, raw, hints[f.name], bool(f.metadata.get("duration")))
                 sources[f.name] = f"environment {ENV_PREFIX}{f.name.upper()}"
@@ -265,7 +330,9 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as error:
         raise SettingsError("config", f"{path} is not valid TOML: {error}") from None
     for name, value in document.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) or (
+            isinstance(value, list) and value and name != "providers" and any(isinstance(item, dict) for item in value)
+        ):
             raise SettingsError(name, f"is a table in {path}; settings are plain keys, like temporal_address = ...")
     return document
 
@@ -331,15 +398,26 @@ def effective_settings(settings: Settings, sources: Mapping[str, str], *, as_jso
         if f.name == "database_url" and value:
             value = redact_url(value)
         values[f.name] = str(value) if isinstance(value, Path) else value
+    # The instances in effect, the implicit one included: what the worker will run.
+    tables = [
+        {"name": i.name, "type": i.type, **i.options, "activities_per_second": i.activities_per_second}
+        for i in settings.provider_instances
+    ]
+    values["providers"] = tables
     if as_json:
-        return json.dumps({"settings": values, "sources": dict(sources)}, indent=2) + "\n"
+        return json.dumps({"settings": values, "sources": dict(sources)}, indent=2, default=str) + "\n"
     lines = []
     for name, value in values.items():
         source = sources.get(name, "default")
+        if name == "providers":
+            continue
         if value is None:
             lines.append(f"# {name} is unset  ({source})")
         else:
             lines.append(f"{name} = {_toml_value(value)}  # {source}")
+    for table in tables:
+        lines += ["", f"[[providers]]  # {sources.get('providers', 'from the provider setting')}"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
 
 

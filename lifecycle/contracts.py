@@ -13,8 +13,19 @@ from temporalio.common import SearchAttributeKey, SearchAttributePair, SearchAtt
 
 MACHINE_WORKFLOW_TYPE = "MachineWorkflow"
 FLEET_WORKFLOW_TYPE = "FleetWorkflow"
-FLEET_SCHEDULE_ID = "shepherd-fleet"
-FLEET_WORKFLOW_ID = "shepherd-fleet"
+# Before provider instances there was one fleet schedule; a worker removes it in favour of the per-instance ones.
+LEGACY_FLEET_SCHEDULE_ID = "shepherd-fleet"
+
+
+def provider_task_queue(task_queue: str, provider: str) -> str:
+    """Where the activities that call one provider instance run: Temporal rate-limits a task queue across workers."""
+    return f"{task_queue}-provider-{provider}"
+
+
+def fleet_schedule_id(provider: str) -> str:
+    """The fleet schedule of one provider instance; its passes run as workflows of the same id and a timestamp."""
+    return f"shepherd-fleet-{provider}"
+
 
 # Custom search attributes of every machine workflow, so the Temporal UI's list
 # filters on them (MachineStage = "RECOVERING", ProviderId = "node-0007").

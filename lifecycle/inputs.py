@@ -29,7 +29,7 @@ def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
         # An attempt may take every retry of its provider calls, SSH connect and run included.
         provision_timeout=3 * settings.provider_timeout + 30,
         agent_start_timeout=settings.provider_timeout + settings.ssh_connect_timeout + settings.ssh_exec_timeout + 30,
-        recovery_timeout=3 * settings.provider_timeout + 30,
+        recovery_timeout=settings.reboot_timeout + 30,
     )
 
 
@@ -40,10 +40,10 @@ def machine_input(settings: Settings, provider: str, provider_id: str, machine_i
     )
 
 
-def fleet_input(settings: Settings) -> FleetInput:
-    """The input the fleet schedule starts every pass with."""
+def fleet_input(settings: Settings, provider: str) -> FleetInput:
+    """The input the fleet schedule of that provider instance starts every pass with."""
     return FleetInput(
-        provider=settings.provider,
+        provider=provider,
         max_machines=settings.max_machines,
         chunk_size=settings.chunk_size,
         device_creation_interval=settings.device_creation_interval,

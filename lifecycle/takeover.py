@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import posixpath
+import secrets
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,7 @@ async def take_over(target: TakeoverTarget, settings: TakeoverSettings, client_k
     init = takeover_pb2.TakeoverInit(
         machine_id=target.machine_id, endpoint=settings.endpoint, ca_certificate=settings.ca_certificate
     )
-    connection = await _connect(target, settings, client_key)
+    connection = await _connect(target, settings.connect_timeout, client_key)
     try:
         host_key = _server_host_key(connection, target)
         phase = "uploading the agent"
@@ -206,8 +207,28 @@ def _host_port(target: TakeoverTarget) -> str:
     return f"{address}:{target.port}"
 
 
+async def probe_ssh(target: TakeoverTarget, client_key: asyncssh.SSHKey, connect_timeout: float) -> str:
+    """Log in to target as a takeover would, run nothing, and return the host key it showed (an OpenSSH line).
+
+    Raises TakeoverError, as take_over does, when the session cannot be had.
+    """
+    connection = await _connect(target, connect_timeout, client_key)
+    try:
+        return _server_host_key(connection, target)
+    finally:
+        await _close(connection, connect_timeout)
+
+
+def host_key_fingerprint(openssh_line: str) -> str:
+    """The SHA256 fingerprint of an OpenSSH public key line, as ssh-keygen -l shows it."""
+    try:
+        return str(asyncssh.import_public_key(openssh_line).get_fingerprint("sha256"))
+    except (asyncssh.KeyImportError, ValueError):
+        return "an unreadable key"
+
+
 async def _connect(
-    target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey
+    target: TakeoverTarget, connect_timeout: float, client_key: asyncssh.SSHKey
 ) -> asyncssh.SSHClientConnection:
     # No known_hosts: any host key is accepted and reported (first contact).
     known_hosts: Any = None
@@ -233,7 +254,7 @@ async def _connect(
             *(algorithm.decode() for algorithm in get_default_public_key_algs()),
         ]
     try:
-        async with asyncio.timeout(settings.connect_timeout):
+        async with asyncio.timeout(connect_timeout):
             return await asyncssh.connect(
                 target.address,
                 target.port,
@@ -253,7 +274,7 @@ async def _connect(
         raise TakeoverError(
             TakeoverFailure.CONNECT_TIMEOUT,
             target,
-            f"no SSH session within {settings.connect_timeout:g}s (connect, handshake and login)",
+            f"no SSH session within {connect_timeout:g}s (connect, handshake and login)",
         ) from None
     except ConnectionRefusedError:
         raise TakeoverError(TakeoverFailure.CONNECT_REFUSED, target, "the connection was refused") from None
@@ -292,7 +313,8 @@ async def _close(connection: asyncssh.SSHClientConnection, grace: float) -> None
 async def _upload(connection: asyncssh.SSHClientConnection, target: TakeoverTarget, settings: TakeoverSettings) -> None:
     """Write the agent beside its target path, then rename it over: a running agent never sees half a file."""
     directory, name = posixpath.split(settings.target_path)
-    temporary = posixpath.join(directory, f".{name}.upload")
+    # Unique, so two uploads to one path (a retry beside a stalled attempt) never write the same file.
+    temporary = posixpath.join(directory, f".{name}.{secrets.token_hex(4)}.upload")
     try:
         async with connection.start_sftp_client() as sftp:
             try:

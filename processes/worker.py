@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from temporalio.client import (
     Client,
@@ -20,9 +23,11 @@ from temporalio.client import (
     ScheduleOverlapPolicy,
     SchedulePolicy,
     ScheduleSpec,
+    ScheduleState,
     ScheduleUpdate,
     ScheduleUpdateInput,
 )
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from activities.deps import ActivityDeps, open_activity_deps
@@ -35,12 +40,13 @@ from foundation.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metr
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
 from lifecycle.contracts import (
-    FLEET_SCHEDULE_ID,
-    FLEET_WORKFLOW_ID,
+    LEGACY_FLEET_SCHEDULE_ID,
     MACHINE_STAGE,
     RUNNING_MACHINES,
     SEARCH_ATTRIBUTES,
     MachineStage,
+    fleet_schedule_id,
+    provider_task_queue,
 )
 from lifecycle.inputs import fleet_input
 from workflows.fleet import FleetWorkflow
@@ -49,50 +55,96 @@ from workflows.machine import MachineWorkflow
 log = logging.getLogger("shepherd.worker")
 
 
-def build_worker(client: Client, deps: ActivityDeps) -> Worker:
-    """A worker of both workflows and every activity on settings.task_queue; it runs inside `async with`."""
+def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
+    """The workflows and the BMDB and Temporal activities on settings.task_queue, and for every provider instance
+    the activities that call it on that instance's queue, rate-limited by Temporal across all workers."""
     settings = deps.settings
     fleet = FleetActivities(deps)
     provisioning = ProvisioningActivities(deps)
     takeover = TakeoverActivities(deps)
     recovery = RecoveryActivities(deps)
-    return Worker(
-        client,
-        task_queue=settings.task_queue,
-        workflows=[FleetWorkflow, MachineWorkflow],
-        interceptors=[LogContextInterceptor()],
-        activities=[
-            fleet.plan_reconcile_pass,
-            fleet.admit_machine,
-            fleet.ensure_machine_workflows,
-            fleet.signal_silent_machines,
-            recovery.reboot_machine,
-            provisioning.provision_machine,
-            takeover.start_agent,
-        ],
-        max_concurrent_activities=settings.max_concurrent_activities,
-        max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
-        max_activities_per_second=settings.max_activities_per_second or None,
-        graceful_shutdown_timeout=timedelta(seconds=settings.shutdown_grace),
-    )
+    common: dict[str, Any] = {
+        "interceptors": [LogContextInterceptor()],
+        "max_concurrent_activities": settings.max_concurrent_activities,
+        "max_activities_per_second": settings.max_activities_per_second or None,
+        "graceful_shutdown_timeout": timedelta(seconds=settings.shutdown_grace),
+    }
+    workers = [
+        Worker(
+            client,
+            task_queue=settings.task_queue,
+            workflows=[FleetWorkflow, MachineWorkflow],
+            activities=[fleet.admit_machine, fleet.ensure_machine_workflows, fleet.signal_silent_machines],
+            max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
+            **common,
+        )
+    ]
+    for instance in settings.provider_instances:
+        workers.append(
+            Worker(
+                client,
+                task_queue=provider_task_queue(settings.task_queue, instance.name),
+                activities=[
+                    fleet.plan_reconcile_pass,
+                    provisioning.provision_machine,
+                    takeover.start_agent,
+                    recovery.reboot_machine,
+                ],
+                max_task_queue_activities_per_second=instance.activities_per_second or None,
+                **common,
+            )
+        )
+    return workers
 
 
-async def ensure_fleet_schedule(client: Client, settings: Settings, *, trigger: bool = False) -> None:
-    """Create the fleet schedule, or bring an existing one in line with settings."""
+@asynccontextmanager
+async def serving(client: Client, deps: ActivityDeps) -> AsyncIterator[list[Worker]]:
+    """Run every worker of build_workers while the block runs; leaving it lets running activities finish."""
+    async with AsyncExitStack() as stack:
+        workers = build_workers(client, deps)
+        for worker in workers:
+            await stack.enter_async_context(worker)
+        yield workers
+
+
+async def ensure_fleet_schedules(client: Client, settings: Settings, *, trigger: bool = False) -> None:
+    """Give every provider instance its fleet schedule, in line with settings: one provider's outage or refused
+    pass never holds up another's."""
+    legacy = client.get_schedule_handle(LEGACY_FLEET_SCHEDULE_ID)
+    try:
+        # An operator's pause of the one schedule of old holds for the schedules that replace it.
+        legacy_state: ScheduleState | None = (await legacy.describe()).schedule.state
+    except RPCError as error:
+        if error.status != RPCStatusCode.NOT_FOUND:
+            raise
+        legacy_state = None
+    for instance in settings.provider_instances:
+        await _ensure_fleet_schedule(client, settings, instance.name, trigger=trigger, initial_state=legacy_state)
+    if legacy_state is not None:
+        await legacy.delete()
+        log.info("deleted the schedule %s: each provider instance has its own now", LEGACY_FLEET_SCHEDULE_ID)
+
+
+async def _ensure_fleet_schedule(
+    client: Client, settings: Settings, provider: str, *, trigger: bool, initial_state: ScheduleState | None
+) -> None:
+    schedule_id = fleet_schedule_id(provider)
     schedule = Schedule(
         action=ScheduleActionStartWorkflow(
             FleetWorkflow.run,
-            fleet_input(settings),
-            id=FLEET_WORKFLOW_ID,
+            fleet_input(settings, provider),
+            id=schedule_id,
             task_queue=settings.task_queue,
             execution_timeout=timedelta(hours=1),
         ),
         spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=settings.reconcile_interval))]),
         policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
     )
+    if initial_state is not None:
+        schedule.state = initial_state
     try:
-        await client.create_schedule(FLEET_SCHEDULE_ID, schedule, trigger_immediately=trigger)
-        log.info("created schedule %s (every %ss)", FLEET_SCHEDULE_ID, settings.reconcile_interval)
+        await client.create_schedule(schedule_id, schedule, trigger_immediately=trigger)
+        log.info("created schedule %s (every %ss)", schedule_id, settings.reconcile_interval)
         return
     except ScheduleAlreadyRunningError:
         pass
@@ -102,7 +154,7 @@ async def ensure_fleet_schedule(client: Client, settings: Settings, *, trigger: 
         schedule.state = update.description.schedule.state
         return ScheduleUpdate(schedule=schedule)
 
-    handle = client.get_schedule_handle(FLEET_SCHEDULE_ID)
+    handle = client.get_schedule_handle(schedule_id)
     await handle.update(keep_state)
     if trigger:
         await handle.trigger(overlap=ScheduleOverlapPolicy.SKIP)
@@ -121,13 +173,14 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
                 counted = await client.count_workflows(f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} = "{stage.value}"')
                 deps.metrics.machines.set(counted.count, {"stage": stage.value})
             deps.metrics.heartbeat_age_max.set(await deps.bmdb.oldest_heartbeat_age() or 0.0)
-            silent = await deps.bmdb.silent_machines(
-                settings.provider,
-                as_of=datetime.now(UTC),
-                first_heartbeat_within=settings.first_heartbeat_timeout,
-                heartbeat_within=settings.heartbeat_timeout,
-            )
-            deps.metrics.machines_silent.set(len(silent))
+            for instance in settings.provider_instances:
+                silent = await deps.bmdb.silent_machines(
+                    instance.name,
+                    as_of=datetime.now(UTC),
+                    first_heartbeat_within=settings.first_heartbeat_timeout,
+                    heartbeat_within=settings.heartbeat_timeout,
+                )
+                deps.metrics.machines_silent.set(len(silent), {"provider": instance.name})
         except Exception as error:  # a gauge a little stale beats a worker that stops
             log.warning("fleet gauges not updated: %s", error)
         try:
@@ -151,12 +204,11 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await ensure_fleet_schedule(client, settings)
-        worker = build_worker(client, deps)
+        await ensure_fleet_schedules(client, settings)
         log.info("worker polling task queue %s at %s", settings.task_queue, settings.temporal_address)
         if runtime is not None:
             log.info("serving /metrics on %s", settings.metrics_listen)
-        async with worker, asyncio.TaskGroup() as observers:
+        async with serving(client, deps), asyncio.TaskGroup() as observers:
             if runtime is not None:
                 observers.create_task(observe_fleet(client, deps, stop))
             await stop.wait()

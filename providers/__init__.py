@@ -36,6 +36,8 @@ class ProviderMachine:
     location: str | None = None
     # The provider's own word on the machine ("active", "provisioning", ...).
     status: str | None = None
+    # Who Shepherd logs in as over SSH; None: the ssh_user setting.
+    ssh_user: str | None = None
 
 
 class ProviderError(Exception):
@@ -81,8 +83,8 @@ class Provider(Protocol):
     """
 
     @property
-    def type(self) -> str:
-        """Short name of the provider, part of workflow ids and BMDB keys (``sim``)."""
+    def name(self) -> str:
+        """The instance's name, part of workflow ids and BMDB keys (``sim``, ``rack1``)."""
         ...
 
     def is_valid_id(self, provider_id: str) -> bool:

@@ -1,14 +1,50 @@
-"""The provider a deployment's settings name."""
+"""Provider types are plugins: entry points of the group ``shepherd.providers``, Shepherd's own among them.
+
+An entry point names a factory ``(instance, settings) -> Provider``; it checks
+the instance's options and raises SettingsError naming the one that is wrong.
+A third party ships a provider as a package that declares such an entry point.
+"""
 
 from __future__ import annotations
 
-from foundation.settings import Settings, SettingsError
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from foundation.settings import ProviderInstance, Settings, SettingsError
 from providers import Provider
-from providers.sim import SimProvider
+
+ENTRY_POINT_GROUP = "shepherd.providers"
+
+ProviderFactory = Callable[[ProviderInstance, Settings], Provider]
 
 
-def provider_from_settings(settings: Settings) -> Provider:
-    """The provider client of settings.provider, configured from settings."""
-    if settings.provider == "sim":
-        return SimProvider(settings.sim_api_url, timeout=settings.provider_timeout)
-    raise SettingsError("provider", f"unknown provider {settings.provider!r}")
+def provider_types() -> dict[str, ProviderFactory]:
+    """Every installed provider type by name."""
+    return {point.name: point.load() for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def open_providers(settings: Settings) -> dict[str, Provider]:
+    """A client of every configured provider instance, by instance name."""
+    types = provider_types()
+    providers: dict[str, Provider] = {}
+    for instance in settings.provider_instances:
+        factory = types.get(instance.type)
+        if factory is None:
+            raise SettingsError(
+                "providers",
+                f"instance {instance.name!r} has type {instance.type!r}, which no installed package provides "
+                f"(installed: {', '.join(sorted(types)) or 'none'}; entry point group {ENTRY_POINT_GROUP})",
+            )
+        providers[instance.name] = factory(instance, settings)
+    return providers
+
+
+def unknown_options(instance: ProviderInstance, known: tuple[str, ...]) -> None:
+    """Refuse options the type does not take, naming them: a typo must not pass as a default."""
+    unknown = sorted(set(instance.options) - set(known))
+    if unknown:
+        raise SettingsError(
+            "providers",
+            f"instance {instance.name!r} (type {instance.type}) has no option {', '.join(unknown)}; "
+            f"it takes: {', '.join(known) or 'none'}",
+        )

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from foundation.settings import ProviderInstance, Settings, SettingsError
 from providers import (
     Availability,
     CapacityConflict,
@@ -20,17 +21,18 @@ from providers import (
     ProviderProtocolError,
     ProviderUnavailable,
 )
+from providers.registry import unknown_options
 
 PROVIDER_TYPE = "sim"
 _ID = re.compile(r"node-\d{4,}")
 
 
-def parse_machine(data: Any, where: str) -> ProviderMachine:
+def parse_machine(data: Any, where: str, provider: str = PROVIDER_TYPE) -> ProviderMachine:
     """A ProviderMachine from one JSON machine object; ProviderProtocolError naming the bad field."""
 
     def bad(field: str, wanted: str) -> ProviderProtocolError:
         value = data.get(field) if isinstance(data, dict) else data
-        return ProviderProtocolError(PROVIDER_TYPE, f"{where}: field {field!r} must be {wanted}, got {value!r}")
+        return ProviderProtocolError(provider, f"{where}: field {field!r} must be {wanted}, got {value!r}")
 
     if not isinstance(data, dict):
         raise bad("machine", "an object")
@@ -62,14 +64,11 @@ def parse_machine(data: Any, where: str) -> ProviderMachine:
 class SimProvider:
     """The Provider of the simulator, a client of its HTTP API at api_url."""
 
-    def __init__(self, api_url: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, api_url: str, *, name: str = PROVIDER_TYPE, timeout: float = 10.0) -> None:
+        self.name = name
         self.api_url = api_url.rstrip("/")
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def type(self) -> str:
-        return PROVIDER_TYPE
 
     def is_valid_id(self, provider_id: str) -> bool:
         return _ID.fullmatch(provider_id) is not None
@@ -90,15 +89,15 @@ class SimProvider:
                 text = await response.text()
                 status = response.status
         except TimeoutError:
-            raise ProviderUnavailable(PROVIDER_TYPE, f"{where}: no answer within {self.timeout:g}s") from None
+            raise ProviderUnavailable(self.name, f"{where}: no answer within {self.timeout:g}s") from None
         except aiohttp.ClientError as error:
-            raise ProviderUnavailable(PROVIDER_TYPE, f"{where}: {error or type(error).__name__}") from None
+            raise ProviderUnavailable(self.name, f"{where}: {error or type(error).__name__}") from None
         if status >= 500:
-            raise ProviderUnavailable(PROVIDER_TYPE, f"{where}: server error {status}: {text[:200]}")
+            raise ProviderUnavailable(self.name, f"{where}: server error {status}: {text[:200]}")
         try:
             return status, json.loads(text)
         except ValueError:
-            raise ProviderProtocolError(PROVIDER_TYPE, f"{where}: answer {status} is not JSON: {text[:80]!r}") from None
+            raise ProviderProtocolError(self.name, f"{where}: answer {status} is not JSON: {text[:80]!r}") from None
 
     @staticmethod
     def _error_text(payload: Any) -> str:
@@ -107,7 +106,7 @@ class SimProvider:
         return repr(payload)[:200]
 
     def _unexpected(self, where: str, status: int, payload: Any) -> ProviderProtocolError:
-        return ProviderProtocolError(PROVIDER_TYPE, f"{where}: answer {status}: {self._error_text(payload)}")
+        return ProviderProtocolError(self.name, f"{where}: answer {status}: {self._error_text(payload)}")
 
     async def list_machines(self) -> list[ProviderMachine]:
         where = "list machines"
@@ -115,34 +114,48 @@ class SimProvider:
         if status != 200:
             raise self._unexpected(where, status, payload)
         if not isinstance(payload, dict) or not isinstance(payload.get("machines"), list):
-            raise ProviderProtocolError(PROVIDER_TYPE, f"{where}: field 'machines' must be a list")
-        return [parse_machine(item, where) for item in payload["machines"]]
+            raise ProviderProtocolError(self.name, f"{where}: field 'machines' must be a list")
+        return [parse_machine(item, where, self.name) for item in payload["machines"]]
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
         where = f"get machine {provider_id}"
         status, payload = await self._request(where, "GET", f"/v1/machines/{provider_id}")
         if status == 404:
-            raise MachineNotFound(PROVIDER_TYPE, provider_id)
+            raise MachineNotFound(self.name, provider_id)
         if status != 200:
             raise self._unexpected(where, status, payload)
-        return parse_machine(payload, where)
+        return parse_machine(payload, where, self.name)
 
     async def create_machine(self, provider_id: str, idempotency_key: str, ssh_public_key: str) -> ProviderMachine:
         where = f"create machine {provider_id}"
         body = {"capacity_id": provider_id, "idempotency_key": idempotency_key, "ssh_public_key": ssh_public_key}
         status, payload = await self._request(where, "POST", "/v1/machines", body)
         if status == 404:
-            raise MachineNotFound(PROVIDER_TYPE, provider_id)
+            raise MachineNotFound(self.name, provider_id)
         if status == 409:
-            raise CapacityConflict(PROVIDER_TYPE, f"{where}: {self._error_text(payload)}")
+            raise CapacityConflict(self.name, f"{where}: {self._error_text(payload)}")
         if status not in (200, 201):
             raise self._unexpected(where, status, payload)
-        return parse_machine(payload, where)
+        return parse_machine(payload, where, self.name)
 
     async def reboot_machine(self, provider_id: str) -> None:
         where = f"reboot machine {provider_id}"
         status, payload = await self._request(where, "POST", f"/v1/machines/{provider_id}/reboot")
         if status == 404:
-            raise MachineNotFound(PROVIDER_TYPE, provider_id)
+            raise MachineNotFound(self.name, provider_id)
         if status != 202:
             raise self._unexpected(where, status, payload)
+
+
+def from_settings(instance: ProviderInstance, settings: Settings) -> SimProvider:
+    """The shepherd.providers entry point: options api_url (default the sim_api_url setting) and timeout (seconds)."""
+    unknown_options(instance, ("api_url", "timeout"))
+    api_url = instance.options.get("api_url", settings.sim_api_url)
+    timeout = instance.options.get("timeout", settings.provider_timeout)
+    if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+        raise SettingsError("providers", f"instance {instance.name!r}: api_url must be an http(s) URL, got {api_url!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise SettingsError(
+            "providers", f"instance {instance.name!r}: timeout must be positive seconds, got {timeout!r}"
+        )
+    return SimProvider(api_url, name=instance.name, timeout=float(timeout))

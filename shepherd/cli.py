@@ -24,11 +24,13 @@ from shepherd.commands import (
     events,
     fleet,
     heartbeat_server,
+    inventory,
     machines,
     migrate,
     recover,
     reset_host_key,
     sim,
+    ssh_key,
     status,
     worker,
 )
@@ -47,6 +49,8 @@ COMMANDS = (
     events,
     fleet,
     config,
+    ssh_key,
+    inventory,
     sim,
 )
 

@@ -17,17 +17,16 @@ from typing import Any
 import grpc
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import MetricMeter
-from temporalio.worker import Worker
 
 from activities.deps import ActivityDeps, open_activity_deps
 from agent.build import build_agent_executable
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.tls import local_certificates
-from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, machine_workflow_id
+from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, fleet_schedule_id, machine_workflow_id
 from lifecycle.inputs import fleet_input
 from processes.heartbeat_server import HeartbeatService, build_server
-from processes.worker import build_worker
+from processes.worker import serving
 from simulator import Faults, Simulator, SimulatorConfig
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
@@ -78,8 +77,9 @@ class FleetStack:
     async def run_pass(self) -> FleetPassResult:
         return await self.client.execute_workflow(
             FleetWorkflow.run,
-            fleet_input(self.settings),
-            id=f"fleet-{uuid.uuid4().hex[:8]}",
+            fleet_input(self.settings, "sim"),
+            # Named as the schedule names its passes, so `shepherd fleet` lists them with the schedule's.
+            id=f"{fleet_schedule_id('sim')}-{uuid.uuid4().hex[:8]}",
             task_queue=self.settings.task_queue,
         )
 
@@ -160,8 +160,7 @@ async def fleet_stack(
         try:
             stack = FleetStack(settings, temporal_client, simulator, deps)
             if run_worker:
-                worker: Worker = build_worker(temporal_client, deps)
-                async with worker:
+                async with serving(temporal_client, deps):
                     yield stack
             else:
                 yield stack

@@ -212,7 +212,7 @@ async def test_worker_killed_mid_fleet_leaves_no_duplicate_and_no_orphan(tmp_pat
 
         first = start_worker()
         fleet = await stack.client.start_workflow(
-            "FleetWorkflow", fleet_input(stack.settings), id="fleet-crash", task_queue=stack.settings.task_queue
+            "FleetWorkflow", fleet_input(stack.settings, "sim"), id="fleet-crash", task_queue=stack.settings.task_queue
         )
         # Kill the worker once some machines are taken over and others are not.
         bmdb = BMDB(bmdb_url, pool_size=1)

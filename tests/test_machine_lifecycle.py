@@ -33,6 +33,7 @@ from lifecycle.contracts import (
     ProvisionResult,
     RebootInput,
     StartAgentInput,
+    provider_task_queue,
 )
 from lifecycle.inputs import lifecycle_policy
 from workflows.machine import MachineWorkflow
@@ -85,14 +86,8 @@ async def start_machine(env, queue: str, policy: LifecyclePolicy) -> Any:
 async def test_agent_start_waits_the_seed_backoff_between_attempts(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities(agent_failures=4)
-    queue = f"backoff-{uuid.uuid4()}"
     policy = SEED_POLICY
-    async with Worker(
-        env.client,
-        task_queue=queue,
-        workflows=[MachineWorkflow],
-        activities=[fakes.provision_machine, fakes.start_agent],
-    ):
+    async with machine_worker(env, fakes, "backoff") as queue:
         handle = await start_machine(env, queue, policy)
         # Each failed attempt is followed by a wait of 300 s x 1.2^n.
         for failures in range(1, 5):
@@ -144,9 +139,13 @@ FAST = replace(SEED_POLICY, provision_backoff=Backoff(1, 1, 1), agent_start_back
 
 @asynccontextmanager
 async def machine_worker(env, fakes: FakeMachineActivities, purpose: str) -> AsyncIterator[str]:
-    """A worker running MachineWorkflow with the fakes on a queue of its own; yields the queue."""
+    """Workers running MachineWorkflow on a queue of its own, the fakes on its provider's queue; yields the queue."""
     queue = f"{purpose}-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.activities):
+    activities = provider_task_queue(queue, "sim")
+    async with (
+        Worker(env.client, task_queue=queue, workflows=[MachineWorkflow]),
+        Worker(env.client, task_queue=activities, activities=fakes.activities),
+    ):
         yield queue
 
 

@@ -121,9 +121,8 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
             assert total(worker_series, "shepherd_recovery_reboots_total", cause="heartbeat_lost", outcome="ok") == 1
             assert total(worker_series, "shepherd_machines", stage="RECOVERING") == 0
             assert total(worker_series, "shepherd_heartbeat_age_max_seconds") < 3
-            assert ("shepherd_machines_silent", frozenset({("shepherd_process", "worker"), *service()})) in (
-                worker_series
-            )
+            silent_of_sim = frozenset({("shepherd_process", "worker"), ("provider", "sim"), *service()})
+            assert ("shepherd_machines_silent", silent_of_sim) in worker_series
             assert total(worker_series, "temporal_worker_task_slots_available", worker_type="ActivityWorker") > 0
 
             heartbeat_series = await scrape(heartbeat_metrics_port)

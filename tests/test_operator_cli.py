@@ -14,9 +14,9 @@ from temporalio.client import WorkflowFailureError
 from bmdb.schema import machine_provided, machines
 from bmdb.store import BMDB
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
-from processes.worker import ensure_fleet_schedule
+from lifecycle.takeover import host_key_fingerprint
+from processes.worker import ensure_fleet_schedules
 from shepherd.commands.machine_ref import MachineNotFound, resolve_machine
-from shepherd.commands.reset_host_key import host_key_fingerprint
 from tests.fleet_stack import fleet_stack
 from tests.test_recovery import WATCH, wait_for
 
@@ -230,19 +230,19 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         env = stack.environment(bmdb_url)
         code, out, err = await shepherd_cli(env, "fleet")
         assert (code, out) == (1, "")
-        assert err == f"shepherd fleet: there is no fleet schedule 'shepherd-fleet' yet: {NO_SCHEDULE}\n"
+        assert err == f"shepherd fleet: there is no fleet schedule 'shepherd-fleet-sim' yet: {NO_SCHEDULE}\n"
 
         await stack.run_pass()
         # Someone else takes a machine behind Shepherd's back: the next pass is refused.
         await stack.deps.provider("sim").create_machine("node-0002", "someone-else", stack.deps.ssh_public_key)
-        await ensure_fleet_schedule(temporal_client, stack.settings)
+        await ensure_fleet_schedules(temporal_client, stack.settings)
         with pytest.raises(WorkflowFailureError):
             await stack.run_pass()
 
         code, out, err = await shepherd_cli(env, "fleet", "--passes", "2")
         assert code == 0, err
         lines = out.splitlines()
-        assert lines[0].startswith("schedule shepherd-fleet: running, every 60s, next pass ")
+        assert lines[0].startswith("schedule shepherd-fleet-sim: running, every 60s, next pass ")
         assert lines[2].split()[2:] == ["refused", "3", "1", "0", "0", "0"]
         assert lines[3].startswith("  why: refused: provider and BMDB disagree on 1 machine(s): node-0002")
         assert lines[4].startswith("       ") and "BMDB has no record of it" in lines[4]
@@ -252,18 +252,19 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         code, out, err = await shepherd_cli(env, "fleet", "--pause", "--note", "rack maintenance", "--passes", "1")
         assert code == 0, err
         assert out.splitlines()[:2] == [
-            "paused the fleet schedule: no passes until `shepherd fleet --resume`",
-            "schedule shepherd-fleet: PAUSED (rack maintenance), every 60s",
+            "paused the fleet schedule shepherd-fleet-sim: no passes until `shepherd fleet --resume`",
+            "schedule shepherd-fleet-sim: PAUSED (rack maintenance), every 60s",
         ]
         code, out, err = await shepherd_cli(env, "fleet", "--json", "--passes", "1")
-        facts = json.loads(out)
+        [facts] = json.loads(out)["providers"]
+        assert facts["provider"] == "sim"
         assert facts["schedule"]["paused"] is True and facts["schedule"]["note"] == "rack maintenance"
         assert facts["passes"][0]["outcome"] == "refused" and facts["passes"][0]["result"]["plan"]["bmdb_count"] == 1
 
         code, out, err = await shepherd_cli(env, "fleet", "--resume", "--passes", "1")
-        assert code == 0 and out.splitlines()[1].startswith("schedule shepherd-fleet: running")
+        assert code == 0 and out.splitlines()[1].startswith("schedule shepherd-fleet-sim: running")
         code, out, err = await shepherd_cli(env, "fleet", "--trigger", "--passes", "3")
-        assert code == 0 and out.startswith("started a fleet pass now\n")
+        assert code == 0 and out.startswith("started a fleet pass of sim now\n")
 
 
 @pytest.mark.parametrize(

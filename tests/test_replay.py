@@ -107,7 +107,7 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
 
 
 def stack_fleet_input(stack: FleetStack) -> FleetInput:
-    return fleet_input(stack.settings)
+    return fleet_input(stack.settings, "sim")
 
 
 async def recovered(stack: FleetStack, provider_id: str) -> bool:

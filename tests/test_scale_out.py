@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 from temporalio.client import Client
-from temporalio.worker import Worker
 
 from activities.deps import open_activity_deps
 from lifecycle.contracts import MachineStage
-from processes.worker import build_worker
+from processes.worker import serving
 from tests.fleet_stack import fleet_stack
 from tests.test_fleet import nodes, sim_admin
 
@@ -24,9 +23,8 @@ async def test_two_workers_bring_a_fleet_up_handling_each_machine_once(tmp_path,
             identity="second-worker",
         )
         second_deps = await open_activity_deps(stack.settings, second_client, bmdb_url)
-        second: Worker = build_worker(second_client, second_deps)
         try:
-            async with second:
+            async with serving(second_client, second_deps):
                 result = await stack.run_pass()
                 assert result.admitted == nodes(machines)
                 await stack.wait_for_stage(nodes(machines), MachineStage.WATCHING, limit=120)

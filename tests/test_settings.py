@@ -51,7 +51,7 @@ def test_durations(text, seconds):
         ({"SHEPHERD_CHUNK_SIZE": "0"}, "chunk_size"),
         ({"SHEPHERD_MAX_MACHINES": "many"}, "max_machines"),
         ({"SHEPHERD_AGENT_START_BACKOFF_MULTIPLIER": "0.5"}, "agent_start_backoff_multiplier"),
-        ({"SHEPHERD_PROVIDER": "aws"}, "provider"),
+        ({"SHEPHERD_PROVIDER": "Rack 1"}, "provider"),
         ({"SHEPHERD_DATABASE_URL": "mysql://x"}, "database_url"),
         ({"SHEPHERD_AGENT_TARGET_PATH": "agent"}, "agent_target_path"),
         ({"SHEPHERD_NO_SUCH_THING": "1"}, "no_such_thing"),

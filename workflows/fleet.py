@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
         FleetPassResult,
         ReconcilePassInput,
         WatchdogInput,
+        provider_task_queue,
     )
 
 _LISTING_TIMEOUT = timedelta(minutes=5)
@@ -51,6 +52,7 @@ class FleetWorkflow:
                 summary=f"list provider {input.provider} and BMDB, decide what to bring under management",
                 start_to_close_timeout=_LISTING_TIMEOUT,
                 retry_policy=_RETRY,
+                task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
             )
             for index, provider_id in enumerate(plan.to_create):
                 if index:

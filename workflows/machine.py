@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         RebootInput,
         StartAgentInput,
         machine_search_attributes,
+        provider_task_queue,
     )
 
 T = TypeVar("T")
@@ -194,6 +195,7 @@ class MachineWorkflow:
             summary=f"create {input.provider_id} at provider {input.provider} and record it in BMDB",
             start_to_close_timeout=timedelta(seconds=input.policy.provision_timeout),
             retry_policy=_BLIP_RETRY,
+            task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
         )
 
     async def _start_agent(self, input: MachineInput) -> AgentFacts:
@@ -203,6 +205,7 @@ class MachineWorkflow:
             summary=f"start the agent on {input.provider_id} over SSH",
             start_to_close_timeout=timedelta(seconds=input.policy.agent_start_timeout),
             retry_policy=_BLIP_RETRY,
+            task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
         )
 
     async def _reboot(self, input: MachineInput, reason: str) -> None:
@@ -214,6 +217,7 @@ class MachineWorkflow:
             summary=f"reboot {input.provider_id} through provider {input.provider}: {reason}"[:200],
             start_to_close_timeout=timedelta(seconds=input.policy.recovery_timeout),
             retry_policy=_BLIP_RETRY,
+            task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
         )
 
     async def _until_success(self, backoff: Backoff, attempt: Callable[[], Awaitable[T]]) -> T:

@@ -43,7 +43,7 @@ from lifecycle.contracts import (
     MachineStatus,
     machine_workflow_id,
 )
-from processes.worker import ensure_fleet_schedule
+from processes.worker import ensure_fleet_schedules
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
 from shepherd.commands.machines import machine_stages
 
@@ -122,11 +122,12 @@ def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
-    """SHEPHERD_* variables that give a child process these settings."""
+    """SHEPHERD_* variables that give a child process these settings (provider instances: see below)."""
     env = {}
     for f in fields(settings):
         value = getattr(settings, f.name)
-        if value is not None:
+        # [[providers]] tables have no variable; the child reads them from the same settings file.
+        if value is not None and f.name != "providers":
             env[ENV_PREFIX + f.name.upper()] = str(value)
     return env
 
@@ -375,7 +376,7 @@ class DevStack:
                 env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['worker']}"},
             )
         )
-        await ensure_fleet_schedule(client, settings, trigger=True)
+        await ensure_fleet_schedules(client, settings, trigger=True)
         self.say(
             "metrics: "
             + ", ".join(f"http://127.0.0.1:{port}/metrics ({child})" for child, port in METRICS_PORTS.items())

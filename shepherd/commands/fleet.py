@@ -1,10 +1,11 @@
-"""``shepherd fleet``: the fleet schedule's state and its last passes; pause, resume, trigger."""
+"""``shepherd fleet``: each provider instance's fleet schedule and its last passes; pause, resume, trigger."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
@@ -15,7 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
-from lifecycle.contracts import FLEET_SCHEDULE_ID, FLEET_WORKFLOW_TYPE
+from lifecycle.contracts import FLEET_WORKFLOW_TYPE, fleet_schedule_id
 from shepherd.commands.base import CommandError, Subcommands, UsageError, add_common, positive_int, show
 
 
@@ -43,57 +44,63 @@ class FleetPass:
     why: str | None = None
 
 
-async def apply(client: Client, action: FleetAction) -> str | None:
-    handle = client.get_schedule_handle(FLEET_SCHEDULE_ID)
+async def apply(client: Client, provider: str, action: FleetAction) -> str | None:
+    """Pause, resume or trigger the provider's fleet schedule; what was done, for the operator."""
+    schedule_id = fleet_schedule_id(provider)
+    handle = client.get_schedule_handle(schedule_id)
     note = action.note or "by shepherd fleet"
     try:
         if action.pause:
             await handle.pause(note=note)
-            return "paused the fleet schedule: no passes until `shepherd fleet --resume`"
+            return f"paused the fleet schedule {schedule_id}: no passes until `shepherd fleet --resume`"
         if action.resume:
             await handle.unpause(note=note)
-            return "resumed the fleet schedule"
+            return f"resumed the fleet schedule {schedule_id}"
         if action.trigger:
             await handle.trigger()
-            return "started a fleet pass now"
+            return f"started a fleet pass of {provider} now"
     except RPCError as error:
-        raise _schedule_error(error) from None
+        raise _schedule_error(schedule_id, error) from None
     return None
 
 
-def _schedule_error(error: RPCError) -> FleetError:
+def _schedule_error(schedule_id: str, error: RPCError) -> FleetError:
     if error.status == RPCStatusCode.NOT_FOUND:
-        return FleetError(f"there is no fleet schedule {FLEET_SCHEDULE_ID!r} yet: a worker creates it when it starts")
-    return FleetError(f"cannot reach the fleet schedule {FLEET_SCHEDULE_ID!r}: {error}")
+        return FleetError(f"there is no fleet schedule {schedule_id!r} yet: a worker creates it when it starts")
+    return FleetError(f"cannot reach the fleet schedule {schedule_id!r}: {error}")
 
 
-async def schedule_line(client: Client) -> tuple[str, dict[str, Any]]:
+async def schedule_line(client: Client, provider: str) -> tuple[str, dict[str, Any]]:
+    """The schedule's state in one line, and as facts for --json."""
+    schedule_id = fleet_schedule_id(provider)
     try:
-        description = await client.get_schedule_handle(FLEET_SCHEDULE_ID).describe()
+        description = await client.get_schedule_handle(schedule_id).describe()
     except RPCError as error:
-        raise _schedule_error(error) from None
+        raise _schedule_error(schedule_id, error) from None
     state = description.schedule.state
     intervals = description.schedule.spec.intervals
     every = f"every {intervals[0].every.total_seconds():g}s" if intervals else "on its own calendar"
     upcoming = description.info.next_action_times[:1]
     facts = {
-        "schedule_id": FLEET_SCHEDULE_ID,
+        "schedule_id": schedule_id,
         "paused": state.paused,
         "note": state.note or None,
         "interval_seconds": intervals[0].every.total_seconds() if intervals else None,
         "next_pass_at": upcoming[0].isoformat() if upcoming and not state.paused else None,
     }
     if state.paused:
-        line = f"schedule {FLEET_SCHEDULE_ID}: PAUSED ({state.note or 'no note'}), {every}"
+        line = f"schedule {schedule_id}: PAUSED ({state.note or 'no note'}), {every}"
     else:
         next_pass = f", next pass {_clock(upcoming[0])}" if upcoming else ""
-        line = f"schedule {FLEET_SCHEDULE_ID}: running, {every}{next_pass}"
+        line = f"schedule {schedule_id}: running, {every}{next_pass}"
     return line, facts
 
 
-async def last_passes(client: Client, count: int) -> list[FleetPass]:
+async def last_passes(client: Client, provider: str, count: int) -> list[FleetPass]:
+    """The provider's most recent passes, newest first; a pass runs under its schedule's id and a timestamp."""
     passes = []
-    async for execution in client.list_workflows(f'WorkflowType = "{FLEET_WORKFLOW_TYPE}"', limit=count):
+    query = f'WorkflowType = "{FLEET_WORKFLOW_TYPE}" AND WorkflowId STARTS_WITH "{fleet_schedule_id(provider)}-"'
+    async for execution in client.list_workflows(query, limit=count):
         handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
         status = execution.status
         if status == WorkflowExecutionStatus.RUNNING:
@@ -153,26 +160,33 @@ def format_passes(passes: list[FleetPass]) -> list[str]:
 
 
 async def print_fleet(
-    client: Client, action: FleetAction, *, passes: int = 5, as_json: bool = False, out: TextIO | None = None
+    client: Client,
+    providers: Sequence[str],
+    action: FleetAction,
+    *,
+    passes: int = 5,
+    as_json: bool = False,
+    out: TextIO | None = None,
 ) -> int:
-    done = await apply(client, action)
-    line, facts = await schedule_line(client)
-    recent = await last_passes(client, passes)
-    rows = [
-        {
-            "started_at": p.started_at.isoformat() if p.started_at else None,
-            "outcome": p.outcome,
-            "why": p.why,
-            "result": p.result,
-        }
-        for p in recent
-    ]
-    return show(
-        out,
-        as_json,
-        lambda: {"schedule": facts, "passes": rows},
-        lambda: [*([done] if done else []), line, *format_passes(recent)],
-    )
+    """Apply the action to each provider's schedule, then show each schedule and its last passes."""
+    documents: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for provider in providers:
+        done = await apply(client, provider, action)
+        line, facts = await schedule_line(client, provider)
+        recent = await last_passes(client, provider, passes)
+        rows = [
+            {
+                "started_at": p.started_at.isoformat() if p.started_at else None,
+                "outcome": p.outcome,
+                "why": p.why,
+                "result": p.result,
+            }
+            for p in recent
+        ]
+        documents.append({"provider": provider, "schedule": facts, "passes": rows})
+        lines += [*([""] if lines else []), *([done] if done else []), line, *format_passes(recent)]
+    return show(out, as_json, lambda: {"providers": documents}, lambda: lines)
 
 
 def register(commands: Subcommands) -> None:
@@ -183,6 +197,7 @@ def register(commands: Subcommands) -> None:
     change.add_argument("--resume", action="store_true", help="schedule passes again")
     change.add_argument("--trigger", action="store_true", help="run a pass now")
     parser.add_argument("--note", default="", help="why, kept with the schedule's state (with --pause/--resume)")
+    parser.add_argument("--provider", help="only this provider instance's schedule (default: every one)")
     parser.add_argument(
         "--passes", type=positive_int, default=5, help="how many recent passes to show (default %(default)s)"
     )
@@ -194,10 +209,13 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if args.note and not (args.pause or args.resume):
         raise UsageError("--note goes with --pause or --resume")
     action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note)
+    providers = [instance.name for instance in settings.provider_instances]
+    if args.provider is not None:
+        providers = [settings.provider_instance(args.provider).name]
 
     async def show() -> int:
         client = await connect_temporal(settings)
-        return await print_fleet(client, action, passes=args.passes, as_json=args.json)
+        return await print_fleet(client, providers, action, passes=args.passes, as_json=args.json)
 
     try:
         return asyncio.run(show())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-import asyncssh
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
@@ -19,20 +18,13 @@ from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import RETRY_NOW_SIGNAL, machine_workflow_id
+from lifecycle.takeover import host_key_fingerprint
 from shepherd.commands.base import EXIT_OK, MACHINE_HELP, Subcommands, add_common, reason_arg, with_bmdb
 from shepherd.commands.machine_ref import describe_workflow, resolve_machine
 
 
 class HostKeyError(Exception):
     """The pin could not be reset, or the workflow not told; the message says what happened and what to do."""
-
-
-def host_key_fingerprint(openssh_line: str) -> str:
-    """The SHA256 fingerprint of an OpenSSH public key line, as ssh-keygen -l shows it."""
-    try:
-        return str(asyncssh.import_public_key(openssh_line).get_fingerprint("sha256"))
-    except (asyncssh.KeyImportError, ValueError):
-        return "an unreadable key"
 
 
 async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str) -> str:

@@ -1,0 +1,271 @@
+"""Real machines as operators list them: a static inventory, OpenSSH's sshd as the machine, sushy-emulator as its BMC.
+
+The whole stack runs as in production, but for the simulator: the worker reads
+the inventory through the ``static`` provider type (its entry point), takes the
+machine over through sshd with the reference agent, which sends its heartbeats
+to a TLS heartbeat server, and reboots it through the emulator's Redfish API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowHandle
+
+from activities.deps import open_activity_deps
+from bmdb.store import BMDB
+from foundation.settings import ProviderInstance, Settings
+from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, fleet_schedule_id, machine_workflow_id
+from lifecycle.inputs import fleet_input
+from lifecycle.takeover import host_key_fingerprint
+from processes.worker import serving
+from tests.bmc_fixtures import Bmc, fake_system, power_state, running_bmc
+from tests.fleet_stack import stack_settings, start_heartbeat_server
+from tests.sshd_fixtures import Sshd, free_port, sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
+from workflows.fleet import FleetWorkflow
+
+LAB = "lab"
+# A second instance whose BMC timeouts leave no time to power a machine back on.
+HASTY = "hasty"
+SYSTEMS = ("lab-01", "bad-pw", "no-system", "never-back")
+
+
+@pytest.fixture(scope="module")
+def lab_bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
+    with running_bmc(tmp_path_factory.mktemp("lab-bmc"), [fake_system(name, "On") for name in SYSTEMS]) as bmc:
+        yield bmc
+
+
+def secret_file(path: Path, text: str) -> Path:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def inventory_entry(machine: str, sshd: Sshd, bmc_lines: list[str]) -> str:
+    lines = [
+        "[[machines]]",
+        f'id = "{machine}"',
+        f'ssh = "127.0.0.1:{sshd.port}"',
+        f'ssh_user = "{sshd.username}"',
+    ]
+    if bmc_lines:
+        lines += ["[machines.bmc]", 'type = "redfish"', *bmc_lines]
+    return "\n".join(lines) + "\n"
+
+
+def bmc_lines(bmc: Bmc, system: str, password_file: Path, url: str | None = None) -> list[str]:
+    return [
+        f'url = "{url or bmc.url}"',
+        f'system = "{system}"',
+        f'username = "{bmc.username}"',
+        f'password_file = "{password_file}"',
+    ]
+
+
+@dataclass
+class LabStack:
+    settings: Settings
+    client: Client
+
+    async def run_pass(self, provider: str) -> FleetPassResult:
+        return await self.client.execute_workflow(
+            FleetWorkflow.run,
+            fleet_input(self.settings, provider),
+            id=f"{fleet_schedule_id(provider)}-{os.urandom(4).hex()}",
+            task_queue=self.settings.task_queue,
+        )
+
+    def machine(self, provider: str, machine: str) -> WorkflowHandle[Any, Any]:
+        return self.client.get_workflow_handle(machine_workflow_id(provider, machine))
+
+    async def status(self, provider: str, machine: str) -> MachineStatus:
+        return await self.machine(provider, machine).query("status", result_type=MachineStatus)
+
+    async def wait_for(self, provider: str, machine: str, done: Any, what: str, limit: float = 90.0) -> MachineStatus:
+        """The machine's status once done(status) holds; fails naming what was awaited and the last status."""
+        deadline = asyncio.get_running_loop().time() + limit
+        while True:
+            try:
+                status: MachineStatus | None = await self.status(provider, machine)
+            except Exception:  # not started yet
+                status = None
+            if status is not None and done(status):
+                return status
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{machine}: not {what} within {limit:g}s: {status}")
+            await asyncio.sleep(0.2)
+
+
+@asynccontextmanager
+async def lab_stack(
+    tmp_path: Path, temporal_client: Client, bmdb_url: str, sshd: Sshd, inventories: dict[str, str]
+) -> AsyncIterator[LabStack]:
+    """A worker and a heartbeat server managing the given inventories, one provider instance each."""
+    key = tmp_path / "shepherd_ssh_key"
+    write_private_key(key, sshd.client_key)
+    instances = []
+    for name, text in inventories.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+        options: dict[str, Any] = {"inventory": str(tmp_path / f"{name}.toml")}
+        if name == HASTY:
+            options |= {"graceful_timeout": 0.3, "power_back_timeout": 0.3}
+        else:
+            options |= {"graceful_timeout": 30, "power_back_timeout": 30}
+        instances.append(ProviderInstance(name, "static", options))
+    heartbeat_bmdb = BMDB(bmdb_url, pool_size=2)
+    server, endpoint, ca = await start_heartbeat_server(tmp_path, heartbeat_bmdb)
+    try:
+        settings = stack_settings(
+            tmp_path,
+            "http://127.0.0.1:9",
+            temporal_client,
+            providers=tuple(instances),
+            reboot_timeout=120.0,
+            ssh_key_path=key,
+            agent_target_path=str(tmp_path / "machine" / "agent"),
+            agent_endpoint=endpoint,
+            agent_endpoint_ca_certificate_path=ca,
+            recovery_backoff_initial=1.0,
+            recovery_backoff_maximum=2.0,
+        )
+        (tmp_path / "machine").mkdir()
+        deps = await open_activity_deps(settings, temporal_client, bmdb_url)
+        try:
+            async with serving(temporal_client, deps):
+                yield LabStack(settings, temporal_client)
+        finally:
+            await deps.close()
+    finally:
+        await server.stop(None)
+        await heartbeat_bmdb.close()
+
+
+async def test_a_listed_machine_is_taken_over_and_power_cycled_through_its_bmc(
+    tmp_path, temporal_client, bmdb_url, bmdb, sshd, lab_bmc
+):
+    password = secret_file(tmp_path / "bmc-password", lab_bmc.password)
+    inventory = inventory_entry("lab-01", sshd, bmc_lines(lab_bmc, lab_bmc.systems["lab-01"], password))
+    async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, {LAB: inventory}) as stack:
+        result = await stack.run_pass(LAB)
+        assert result.admitted == ["lab-01"]
+        first = await stack.wait_for(LAB, "lab-01", lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+        assert first.agent is not None and first.address == "127.0.0.1"
+
+        [record] = await bmdb.machines_with_provider_id("lab-01")
+        for _ in range(100):
+            record = await bmdb.get_machine(record.machine_id) or record
+            if record.agent_heartbeat_at is not None:
+                break
+            await asyncio.sleep(0.2)
+        assert record.agent_heartbeat_at is not None, "the agent on the machine sent no heartbeat"
+
+        await stack.machine(LAB, "lab-01").signal("force_recover", {"reason": "disk errors"})
+        second = await stack.wait_for(
+            LAB,
+            "lab-01",
+            lambda s: s.recovery_count == 1 and s.stage is MachineStage.WATCHING,
+            "recovered and WATCHING again",
+        )
+        assert second.agent is not None and second.agent.key_fingerprint != first.agent.key_fingerprint
+        assert second.last_recovery_reason == "forced: disk errors"
+        events = await bmdb.list_events(record.machine_id, limit=20)
+        [rebooted] = [event for event in events if event.kind == "rebooted"]
+        assert "disk errors" in (rebooted.detail or "")
+        # The emulator received the power cycle and reports the machine on again.
+        assert power_state(lab_bmc, "lab-01") == "On"
+        assert lab_bmc.password not in repr(second)
+
+
+async def test_bmc_faults_end_in_clear_errors_in_the_status_query(tmp_path, temporal_client, bmdb_url, sshd, lab_bmc):
+    right = secret_file(tmp_path / "right-password", lab_bmc.password)
+    wrong = secret_file(tmp_path / "wrong-password", "not-the-password")
+    inventories = {
+        LAB: inventory_entry("bad-pw", sshd, bmc_lines(lab_bmc, lab_bmc.systems["bad-pw"], wrong))
+        + inventory_entry(
+            "bmc-down",
+            sshd,
+            bmc_lines(lab_bmc, "/redfish/v1/Systems/1", right, url=f"http://127.0.0.1:{free_port()}"),
+        )
+        + inventory_entry("no-system", sshd, bmc_lines(lab_bmc, "/redfish/v1/Systems/no-such-system", right))
+        + inventory_entry("no-bmc", sshd, []),
+        HASTY: inventory_entry("never-back", sshd, bmc_lines(lab_bmc, lab_bmc.systems["never-back"], right)),
+    }
+    expected = {
+        (LAB, "bad-pw"): "check the BMC credentials of bad-pw",
+        (LAB, "bmc-down"): "BmcUnavailable",
+        (LAB, "no-system"): "BmcSystemUnknown",
+        (LAB, "no-bmc"): "has no BMC in the inventory",
+        (HASTY, "never-back"): "RebootNotConfirmed",
+    }
+    async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, inventories) as stack:
+        for provider in (LAB, HASTY):
+            await stack.run_pass(provider)
+        for provider, machine in expected:
+            await stack.wait_for(provider, machine, lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+            await stack.machine(provider, machine).signal("force_recover", {"reason": "test"})
+        for (provider, machine), message in expected.items():
+            status = await stack.wait_for(
+                provider,
+                machine,
+                lambda s, message=message: s.last_error is not None and message in s.last_error,
+                f"failing with {message!r}",
+            )
+            # The reboot keeps being retried after its back-off; nothing else is tried in its place.
+            error = status.last_error or ""
+            assert status.stage is MachineStage.RECOVERING and status.recovery_count == 0
+            assert lab_bmc.password not in error and machine in error, error
+
+
+async def test_inventory_check_probes_ssh_and_bmc_of_every_machine(tmp_path, sshd, lab_bmc, shepherd_cli):
+    key = tmp_path / "shepherd_ssh_key"
+    write_private_key(key, sshd.client_key)
+    env = {"SHEPHERD_SSH_KEY_PATH": str(key), "SHEPHERD_SSH_CONNECT_TIMEOUT": "2s", "SHEPHERD_PROVIDER_TIMEOUT": "3s"}
+    right = secret_file(tmp_path / "right-password", lab_bmc.password)
+    wrong = secret_file(tmp_path / "wrong-password", "not-the-password")
+    good = inventory_entry("lab-01", sshd, bmc_lines(lab_bmc, lab_bmc.systems["lab-01"], right))
+    inventory = tmp_path / "inventory.toml"
+    inventory.write_text(good + inventory_entry("no-bmc", sshd, []))
+
+    code, out, err = await shepherd_cli(env, "inventory", "check", str(inventory))
+    assert (code, err) == (0, ""), err
+    lines = out.splitlines()
+    fingerprint = host_key_fingerprint(sshd.host_key)
+    assert lines[0].startswith("lab-01  ok  ssh as ") and fingerprint in lines[0]
+    assert f"bmc ok, {lab_bmc.systems['lab-01']} On" in lines[0]
+    assert lines[1].startswith("no-bmc  ok  ") and "no BMC: Shepherd cannot reboot it" in lines[1]
+
+    closed = good.replace("lab-01", "ssh-closed").replace(f"127.0.0.1:{sshd.port}", f"127.0.0.1:{free_port()}")
+    inventory.write_text(
+        good + closed + inventory_entry("bad-pw", sshd, bmc_lines(lab_bmc, lab_bmc.systems["bad-pw"], wrong))
+    )
+    code, out, err = await shepherd_cli(env, "inventory", "check", str(inventory), "--json")
+    assert code == 1 and err == "shepherd inventory: 2 of 3 machines failed: ssh-closed, bad-pw\n"
+    checks = {check["machine"]: check for check in json.loads(out)}
+    assert checks["lab-01"]["ok"] and not checks["ssh-closed"]["ssh_ok"] and checks["ssh-closed"]["bmc_ok"]
+    assert "refused" in checks["ssh-closed"]["ssh"]
+    assert "check the BMC credentials of bad-pw" in checks["bad-pw"]["bmc"] and lab_bmc.password not in out
+
+    inventory.write_text(good + good)
+    code, out, err = await shepherd_cli(env, "inventory", "check", str(inventory))
+    assert code == 1 and out == "" and "duplicate" in err and str(inventory) in err
+
+
+async def test_ssh_key_prints_the_public_key_the_worker_logs_in_with(tmp_path, shepherd_cli):
+    key = tmp_path / "state" / "ssh_key"
+    code, out, err = await shepherd_cli({"SHEPHERD_SSH_KEY_PATH": str(key)}, "ssh-key")
+    assert code == 0 and out.startswith("ssh-ed25519 ") and out.endswith(" shepherd\n")
+    assert key.stat().st_mode & 0o777 == 0o600
+    again = await shepherd_cli({"SHEPHERD_SSH_KEY_PATH": str(key)}, "ssh-key")
+    assert again == (0, out, "")
+    key.chmod(0o644)
+    code, out, err = await shepherd_cli({"SHEPHERD_SSH_KEY_PATH": str(key)}, "ssh-key")
+    assert code == 1 and out == "" and "ssh_key_path" in err and str(key) in err

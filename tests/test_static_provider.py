@@ -1,0 +1,347 @@
+"""The static provider: its inventory's checks, re-reading it, BMC passwords, and reboots through a fake BMC."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from providers import Availability, MachineNotFound, ProviderMachine
+from providers.redfish import PowerReport
+from providers.static import InventoryError, NoBMC, StaticProvider, load_inventory
+
+SECRET = "pa55-word-in-file"
+
+GOOD = """
+# the operator's inventory
+[[machines]]
+id = "rack1-node01"
+ssh = "10.0.0.11:22"
+ssh_user = "admin"
+location = "rack1"
+[machines.bmc]
+type = "redfish"
+url = "https://10.0.1.11/"
+system = "/redfish/v1/Systems/1"
+username = "admin"
+password_file = "bmc/rack1-node01"
+ca_file = "bmc-ca.pem"
+
+[[ machines]]
+id = "rack1-node02"
+ssh = "[fe80::2]:2222"
+
+[[ "machines" ]]
+id = "node.03_b"
+ssh = "node03.example.net"
+
+[[machines]]
+id = "v6-default-port"
+ssh = "[::1]"
+"""
+
+# The bad machine's header is on line 5, after one good machine; the header has spaces inside its brackets.
+FIRST = '[[machines]]\nid = "good"\nssh = "10.0.0.1"\n\n'
+AT = " line 5 machine 'rack1-node02'"
+BMC = '[machines.bmc]\ntype = "redfish"\nurl = "https://bmc"\nusername = "admin"\n'
+
+
+def machine(body: str, bmc: str = "") -> str:
+    return FIRST + '[[ machines ]]\nid = "rack1-node02"\n' + body + "\n" + bmc
+
+
+# Each case: what names the place after the file's path, the text, and what the problem's words must include.
+BAD = {
+    "bad toml": ("", FIRST + '[[machines]]\nid = "x"\nssh = \n', ["is not valid TOML", "line 7, column"]),
+    "machines not a list": ("", 'machines = "rack1"\n', ["'machines' must be a list of [[machines]] tables"]),
+    "machines a table": ("", '[machines]\nid = "a"\n', ["'machines' must be a list"]),
+    "unknown top-level key": ("", '[[machine]]\nid = "a"\n', ["unknown top-level key(s) 'machine'"]),
+    "unknown machine key": (AT, machine('ssh = "h"\nsshh = "h2"'), ["unknown key(s) 'sshh'"]),
+    "unknown bmc key": (AT, machine('ssh = "h"', BMC + 'password_env = "P"\nport = 443\n'), ["'bmc.port'"]),
+    "inline password": (
+        AT,
+        machine('ssh = "h"', BMC + f'password = "{SECRET}"\n'),
+        ["never inline: use password_file or password_env"],
+    ),
+    "missing id": (" line 5", FIRST + '[[ machines ]]\nssh = "h"\n', ["missing id"]),
+    "bad id": (" line 5", FIRST + '[[ machines ]]\nid = "rack 1"\nssh = "h"\n', ["id must match", "'rack 1'"]),
+    "id too long": (" line 5", FIRST + f'[[ machines ]]\nid = "{"n" * 64}"\nssh = "h"\n', ["id must match"]),
+    "id not a string": (" line 5", FIRST + '[[ machines ]]\nid = 7\nssh = "h"\n', ["id must match", "got 7"]),
+    "duplicate id": (
+        " line 5 machine 'good'",
+        FIRST + '[[ machines ]]\nid = "good"\nssh = "h"\n',
+        ["duplicate id", "line 1"],
+    ),
+    "missing ssh": (AT, machine(""), ["missing ssh"]),
+    "ssh not a string": (AT, machine("ssh = 22"), ["ssh must be a string"]),
+    "ssh port zero": (AT, machine('ssh = "h:0"'), ["port must be 1-65535", "'0'"]),
+    "ssh port too big": (AT, machine('ssh = "h:65536"'), ["port must be 1-65535"]),
+    "ssh port not a number": (AT, machine('ssh = "h:ssh"'), ["port must be 1-65535"]),
+    "ssh empty port": (AT, machine('ssh = "h:"'), ["port must be 1-65535"]),
+    "ssh bad host": (AT, machine('ssh = "bad host:22"'), ["ssh must be host[:port]"]),
+    "ssh bare ipv6": (AT, machine('ssh = "fe80::1"'), ["IPv6 address goes in brackets"]),
+    "ssh bad ipv6": (AT, machine('ssh = "[fe80::zz]:22"'), ["is not an IPv6 address"]),
+    "ssh unclosed bracket": (AT, machine('ssh = "[::1:22"'), ["ssh must be host[:port] or [IPv6]:port"]),
+    "bad ssh_user": (AT, machine('ssh = "h"\nssh_user = "r oot"'), ["ssh_user must be a user name"]),
+    "bmc not a table": (AT, machine('ssh = "h"\nbmc = "redfish"'), ["bmc must be a [machines.bmc] table"]),
+    "bmc type": (
+        AT,
+        machine('ssh = "h"', BMC.replace("redfish", "ipmi") + 'password_env = "P"\n'),
+        ["bmc.type must be 'redfish'", "'ipmi'"],
+    ),
+    "bmc url scheme": (
+        AT,
+        machine('ssh = "h"', BMC.replace("https://bmc", "ftp://bmc") + 'password_env = "P"\n'),
+        ["bmc.url must be an http:// or https:// URL"],
+    ),
+    "bmc url no scheme": (
+        AT,
+        machine('ssh = "h"', BMC.replace("https://bmc", "10.0.1.11") + 'password_env = "P"\n'),
+        ["bmc.url must be an http:// or https:// URL"],
+    ),
+    "bmc url credentials": (
+        AT,
+        machine('ssh = "h"', BMC.replace("https://bmc", f"ftp://admin:{SECRET}@bmc") + 'password_env = "P"\n'),
+        ["must not carry credentials"],
+    ),
+    "bmc url bad port": (
+        AT,
+        machine('ssh = "h"', BMC.replace("https://bmc", "https://bmc:99999") + 'password_env = "P"\n'),
+        ["bmc.url must be an http:// or https:// URL"],
+    ),
+    "bmc missing username": (
+        AT,
+        machine('ssh = "h"', BMC.replace('username = "admin"\n', "") + 'password_env = "P"\n'),
+        ["missing bmc.username"],
+    ),
+    "bmc no password": (AT, machine('ssh = "h"', BMC), ["exactly one of password_file and password_env"]),
+    "bmc both passwords": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "P"\npassword_file = "/p"\n'),
+        ["exactly one of password_file and password_env"],
+    ),
+    "bmc bad env name": (AT, machine('ssh = "h"', BMC + 'password_env = "NOT-A-NAME"\n'), ["bmc.password_env must be"]),
+    "bmc system not a path": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "P"\nsystem = "1"\n'),
+        ["bmc.system must be a path"],
+    ),
+    "verify_tls false with ca_file": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "P"\nverify_tls = false\nca_file = "/ca.pem"\n'),
+        ["verify_tls = false and ca_file contradict"],
+    ),
+    "verify_tls not a bool": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "P"\nverify_tls = "no"\n'),
+        ["bmc.verify_tls must be true or false"],
+    ),
+}
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def one_line(error: BaseException) -> str:
+    message = str(error)
+    assert "\n" not in message
+    assert SECRET not in message
+    return message
+
+
+@pytest.mark.parametrize("where, text, expected", list(BAD.values()), ids=list(BAD))
+def test_bad_inventory_is_refused_in_one_line_naming_file_line_and_machine(
+    tmp_path: Path, where: str, text: str, expected: list[str]
+) -> None:
+    path = write(tmp_path / "inventory.toml", text)
+    with pytest.raises(InventoryError) as caught:
+        load_inventory(path, "rack")
+    message = one_line(caught.value)
+    assert caught.value.retryable is False
+    assert message.startswith(f"provider rack: inventory {path}{where}: ")
+    for part in expected:
+        assert part in message
+
+
+def test_unreadable_inventory(tmp_path: Path) -> None:
+    path = tmp_path / "missing.toml"
+    with pytest.raises(InventoryError) as caught:
+        load_inventory(path)
+    assert one_line(caught.value) == f"provider static: inventory {path}: cannot be read: No such file or directory"
+
+
+def test_good_inventory(tmp_path: Path) -> None:
+    machines = load_inventory(write(tmp_path / "inventory.toml", GOOD))
+    assert [(m.id, m.host, m.port, m.ssh_user, m.line) for m in machines] == [
+        ("rack1-node01", "10.0.0.11", 22, "admin", 3),
+        # Without ssh_user: None, so the ssh_user setting (default root) applies.
+        ("rack1-node02", "fe80::2", 2222, None, 16),
+        ("node.03_b", "node03.example.net", 22, None, 20),
+        ("v6-default-port", "::1", 22, None, 24),
+    ]
+    bmc = machines[0].bmc
+    assert bmc is not None and all(m.bmc is None for m in machines[1:])
+    # Relative paths are the inventory's folder's; the trailing slash of the URL goes.
+    assert (bmc.url, bmc.system, bmc.username) == ("https://10.0.1.11", "/redfish/v1/Systems/1", "admin")
+    assert (bmc.password_file, bmc.ca_file, bmc.verify_tls) == (
+        tmp_path / "bmc/rack1-node01",
+        tmp_path / "bmc-ca.pem",
+        True,
+    )
+    assert load_inventory(write(tmp_path / "empty.toml", "")) == []
+
+
+async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
+    provider = StaticProvider("rack", write(tmp_path / "inventory.toml", GOOD))
+    assert provider.name == "rack"
+    listed = await provider.list_machines()
+    assert [m.provider_id for m in listed] == ["rack1-node01", "rack1-node02", "node.03_b", "v6-default-port"]
+    assert {m.availability for m in listed} == {Availability.POSSIBLY_USED}
+    assert listed[1] == ProviderMachine(
+        "rack1-node02", Availability.POSSIBLY_USED, "fe80::2", 2222, status="listed", ssh_user=None
+    )
+    assert await provider.get_machine("rack1-node01") == listed[0]
+    assert listed[0].location == "rack1"
+    assert await provider.create_machine("node.03_b", "key-1", "ssh-ed25519 AAAA shepherd") == listed[2]
+    with pytest.raises(MachineNotFound):
+        await provider.create_machine("rack9-node01", "key-2", "ssh-ed25519 AAAA shepherd")
+    assert provider.is_valid_id("rack1-node01") and provider.is_valid_id("a.b_c-1")
+    assert not provider.is_valid_id("") and not provider.is_valid_id("a b") and not provider.is_valid_id("n" * 64)
+    await provider.close()
+
+
+async def test_the_inventory_is_read_again_on_every_call(tmp_path: Path) -> None:
+    path = write(tmp_path / "inventory.toml", GOOD)
+    provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
+    assert len(await provider.list_machines()) == 4
+
+    write(path, GOOD.split("[[ machines]]")[0] + '[[machines]]\nid = "rack2-node01"\nssh = "10.0.2.1"\n')
+    assert [m.provider_id for m in await provider.list_machines()] == ["rack1-node01", "rack2-node01"]
+    assert (await provider.get_machine("rack2-node01")).address == "10.0.2.1"
+    with pytest.raises(MachineNotFound) as caught:
+        await provider.get_machine("rack1-node02")
+    assert caught.value.retryable is False
+    with pytest.raises(MachineNotFound):
+        await provider.reboot_machine("rack1-node02")
+
+    write(path, "[[machines]]\nid = 1\n")
+    with pytest.raises(InventoryError, match="line 1: id must match"):
+        await provider.list_machines()
+
+
+class FakePowerControl:
+    """A BMC's power control that records what it was asked."""
+
+    def __init__(self, calls: list, provider: str, endpoint) -> None:
+        self.calls, self.provider, self.endpoint = calls, provider, endpoint
+
+    @classmethod
+    def factory(cls, calls: list):
+        return lambda provider, endpoint: cls(calls, provider, endpoint)
+
+    async def reboot(self):
+        self.calls.append(("reboot", self.provider, self.endpoint))
+        return PowerReport("/redfish/v1/Systems/1", "On", "fake: power cycled")
+
+    async def probe(self):
+        self.calls.append(("probe", self.provider, self.endpoint))
+        return PowerReport("/redfish/v1/Systems/1", "On")
+
+
+def bmc_inventory(tmp_path: Path, password: str) -> Path:
+    text = f"""
+[[machines]]
+id = "rack1-node01"
+ssh = "10.0.0.11"
+[machines.bmc]
+type = "redfish"
+url = "http://10.0.1.11:8000"
+username = "admin"
+{password}
+"""
+    return write(tmp_path / "inventory.toml", text)
+
+
+async def test_reboot_goes_through_the_bmc_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = write(tmp_path / "password", SECRET + "\n")
+    secret.chmod(0o600)
+    calls: list = []
+    provider = StaticProvider(
+        "rack", bmc_inventory(tmp_path, 'password_file = "password"'), power=FakePowerControl.factory(calls)
+    )
+    await provider.reboot_machine("rack1-node01")
+
+    [(call, name, endpoint)] = calls
+    assert (call, name) == ("reboot", "rack")
+    assert (endpoint.machine, endpoint.url, endpoint.username) == ("rack1-node01", "http://10.0.1.11:8000", "admin")
+    assert (endpoint.password, endpoint.system, endpoint.verify) == (SECRET, None, True)
+    assert SECRET not in repr(endpoint)
+    assert any("rack1-node01" in r.getMessage() and "fake: power cycled" in r.getMessage() for r in caplog.records)
+    assert all(SECRET not in r.getMessage() for r in caplog.records)
+
+
+async def test_reboot_without_bmc_is_for_a_person(tmp_path: Path) -> None:
+    calls: list = []
+    provider = StaticProvider("rack", write(tmp_path / "inventory.toml", GOOD), power=FakePowerControl.factory(calls))
+    with pytest.raises(NoBMC) as caught:
+        await provider.reboot_machine("rack1-node02")
+    assert caught.value.retryable is False
+    assert "'rack1-node02' has no BMC in the inventory" in one_line(caught.value)
+    assert "by hand" in str(caught.value)
+    assert calls == []
+
+
+def test_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    secret = write(tmp_path / "password", SECRET)
+    secret.chmod(0o644)
+    [listed] = load_inventory(bmc_inventory(tmp_path, f'password_file = "{secret}"'))
+    assert listed.bmc is not None and SECRET not in repr(listed)
+    with pytest.raises(InventoryError) as caught:
+        listed.bmc.endpoint(listed.id)
+    message = one_line(caught.value)
+    assert f"machine 'rack1-node01': BMC password file {secret} is readable by others (mode 0644)" in message
+    assert f"chmod 600 {secret}" in message
+
+    secret.chmod(0o600)
+    assert listed.bmc.endpoint(listed.id).password == SECRET
+
+
+@pytest.mark.parametrize(
+    "content, mode, expected",
+    [
+        (None, 0o600, "cannot be read: No such file or directory"),
+        ("\n", 0o600, "is empty"),
+        (SECRET, 0o640, "is readable by others (mode 0640); run: chmod 600 {secret}"),
+    ],
+    ids=["missing", "empty", "group-readable"],
+)
+def test_password_file_problems(tmp_path: Path, content: str | None, mode: int, expected: str) -> None:
+    secret = tmp_path / "password"
+    if content is not None:
+        write(secret, content).chmod(mode)
+    [listed] = load_inventory(bmc_inventory(tmp_path, 'password_file = "password"'))
+    assert listed.bmc is not None
+    with pytest.raises(InventoryError) as caught:
+        listed.bmc.endpoint(listed.id, "rack")
+    where = f"provider rack: machine 'rack1-node01': BMC password file {secret}"
+    assert one_line(caught.value) == f"{where} {expected.format(secret=secret)}"
+
+
+def test_password_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    [listed] = load_inventory(bmc_inventory(tmp_path, 'password_env = "SHEPHERD_TEST_BMC"'))
+    assert listed.bmc is not None
+    monkeypatch.delenv("SHEPHERD_TEST_BMC", raising=False)
+    with pytest.raises(InventoryError) as caught:
+        listed.bmc.endpoint(listed.id)
+    assert "BMC password variable SHEPHERD_TEST_BMC is not set" in one_line(caught.value)
+    monkeypatch.setenv("SHEPHERD_TEST_BMC", "")
+    with pytest.raises(InventoryError, match="SHEPHERD_TEST_BMC is empty"):
+        listed.bmc.endpoint(listed.id)
+    monkeypatch.setenv("SHEPHERD_TEST_BMC", SECRET)
+    assert listed.bmc.endpoint(listed.id).password == SECRET
+    assert os.environ["SHEPHERD_TEST_BMC"] not in repr(listed.bmc)
