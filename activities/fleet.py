@@ -75,6 +75,16 @@ class FleetActivities:
         )
         for provider_id in plan.invalid_ids:
             log.error("BMDB has %s machine with an id the provider never issues: %r", input.provider, provider_id)
+        if plan.newly_missing or plan.back_again:
+            missing, back = await self.deps.bmdb.record_provider_listing(
+                input.provider, plan.newly_missing, plan.back_again
+            )
+            for provider_id in missing:
+                log.error(
+                    "provider %s no longer lists machine %s: reported, never rebooted", input.provider, provider_id
+                )
+            for provider_id in back:
+                log.info("provider %s lists machine %s again", input.provider, provider_id)
         disagreements = [str(d) for d in plan.disagreements]
         if disagreements:
             detail = f"{plan.note}: " + "; ".join(disagreements)

@@ -44,6 +44,9 @@ machine_provided = Table(
     # The SSH host key seen at first contact (OpenSSH format); a different key
     # later is refused until an operator resets this pin.
     Column("ssh_host_key", Text),
+    # Since when the provider no longer lists the machine; NULL while it does. Such a machine is reported and
+    # left alone (no recovery), until the provider lists it again or an operator retires it.
+    Column("missing_since", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("provider", "provider_id", name="machine_provided_provider_key"),
 )

@@ -8,6 +8,7 @@ statements: the fleet scale is 100,000 machines.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,6 +42,8 @@ class ProvidedMachine:
     provider: str
     provider_id: str
     status: str
+    # Marked when the provider stopped listing it (see record_provider_listing).
+    missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class MachineRecord:
     agent_started_at: datetime | None
     agent_public_key: bytes | None
     agent_heartbeat_at: datetime | None
+    # Since when the provider no longer lists it; None while it does.
+    missing_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -210,11 +215,15 @@ class BMDB:
                     machine_provided.c.provider,
                     machine_provided.c.provider_id,
                     machine_provided.c.status,
+                    machine_provided.c.missing_since,
                 )
                 .where(machine_provided.c.provider == provider)
                 .order_by(machine_provided.c.provider_id)
             )
-            return [ProvidedMachine(r.machine_id, r.provider, r.provider_id, r.status) for r in rows]
+            return [
+                ProvidedMachine(r.machine_id, r.provider, r.provider_id, r.status, r.missing_since is not None)
+                for r in rows
+            ]
 
     async def get_machine(self, machine_id: uuid.UUID) -> MachineRecord | None:
         rows = await self._machine_records(machine_provided.c.machine_id == machine_id)
@@ -268,6 +277,7 @@ class BMDB:
                     agent_started_at=r.agent_started_at,
                     agent_public_key=r.agent_public_key,
                     agent_heartbeat_at=r.agent_heartbeat_at,
+                    missing_since=r.missing_since,
                 )
                 for r in await conn.execute(query)
             ]
@@ -346,6 +356,43 @@ class BMDB:
         async with self.engine.begin() as conn:
             return (await conn.execute(statement)).first() is not None
 
+    async def record_provider_listing(
+        self, provider: str, missing: Sequence[str], back: Sequence[str]
+    ) -> tuple[list[str], list[str]]:
+        """Mark the provider's machines it no longer lists, unmark those it lists again, with an event each change.
+
+        Returns (newly missing, back again); a machine already marked is neither, so a pass repeats nothing.
+        """
+        changes: tuple[list[str], list[str]] = ([], [])
+        async with self.engine.begin() as conn:
+            for provider_ids, marking, kind, said in (
+                (missing, True, "missing_at_provider", "no longer lists it"),
+                (back, False, "back_at_provider", "lists it again"),
+            ):
+                if not provider_ids:
+                    continue
+                rows = await conn.execute(
+                    update(machine_provided)
+                    .where(
+                        machine_provided.c.provider == provider,
+                        machine_provided.c.provider_id.in_(list(provider_ids)),
+                        machine_provided.c.missing_since.is_(None)
+                        if marking
+                        else machine_provided.c.missing_since.is_not(None),
+                    )
+                    .values(missing_since=func.now() if marking else None, updated_at=func.now())
+                    .returning(machine_provided.c.machine_id, machine_provided.c.provider_id)
+                )
+                changed = rows.all()
+                for row in changed:
+                    await conn.execute(
+                        insert(events).values(
+                            machine_id=row.machine_id, kind=kind, detail=f"provider {provider} {said}"
+                        )
+                    )
+                (changes[0] if marking else changes[1]).extend(sorted(row.provider_id for row in changed))
+        return changes
+
     async def silent_machines(
         self, provider: str, *, as_of: datetime, first_heartbeat_within: float, heartbeat_within: float
     ) -> list[SilentMachine]:
@@ -373,7 +420,10 @@ class BMDB:
                     machine_agent_heartbeat, machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id
                 )
             )
-            .where(machine_provided.c.provider == provider, or_(never, stopped))
+            # A machine its provider no longer lists cannot be rebooted through it: it is reported, not recovered.
+            .where(
+                machine_provided.c.provider == provider, machine_provided.c.missing_since.is_(None), or_(never, stopped)
+            )
             .order_by(machine_provided.c.provider_id)
         )
         async with self.engine.connect() as conn:

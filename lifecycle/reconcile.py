@@ -44,6 +44,9 @@ class ReconcilePlan:
     disagreements: list[Disagreement] = field(default_factory=list)
     # BMDB rows whose provider id this provider could never have issued.
     invalid_ids: list[str] = field(default_factory=list)
+    # BMDB machines the provider stopped listing in this pass, and marked ones it lists again.
+    newly_missing: list[str] = field(default_factory=list)
+    back_again: list[str] = field(default_factory=list)
     # Why nothing (more) is created, for logs and the fleet status.
     note: str = ""
 
@@ -90,9 +93,12 @@ def plan_reconcile(
             unused[machine.provider_id] = machine
 
     disagreements = [
-        Disagreement(provider_id, None, "the provider says it is ours, BMDB has no record of it")
+        Disagreement(
+            provider_id, None, "the provider says it is ours, BMDB has no record of it: find who took it there"
+        )
         for provider_id in sorted(used - bmdb.keys())
     ]
+    newly_missing: list[str] = []
     for provider_id, record in sorted(bmdb.items()):
         if provider_id in used:
             continue
@@ -100,18 +106,26 @@ def plan_reconcile(
         # provider until its workflow creates it: that is no disagreement.
         if record.status == PROVIDED_STATUS_CREATING and provider_id in unused:
             continue
-        problem = (
-            "BMDB has it as provided, the provider lists it as free capacity"
-            if provider_id in unused
-            else "BMDB has it, the provider does not know it"
-        )
+        if provider_id in unused:
+            problem = "BMDB has it as provided, the provider lists it as free capacity: find who released it there"
+        else:
+            problem = (
+                "BMDB has it, the provider does not know it: list it there again (a static inventory: put it back "
+                "in the file); until then Shepherd leaves it alone and creates nothing"
+            )
+            if not record.missing:
+                newly_missing.append(provider_id)
         disagreements.append(Disagreement(provider_id, record.machine_id, problem))
+    listed = used | unused.keys()
+    back_again = sorted(provider_id for provider_id, record in bmdb.items() if record.missing and provider_id in listed)
 
     base = ReconcilePlan(
         provider_count=len(provider_machines),
         bmdb_count=len(bmdb_machines),
         managed_count=len(bmdb),
         invalid_ids=invalid_ids,
+        newly_missing=newly_missing,
+        back_again=back_again,
     )
     if disagreements:
         return replace(

@@ -144,3 +144,32 @@ async def test_silent_machines_follow_the_seeds_rule(bmdb):
     await bmdb.forget_agent(machines["node-0001"], "rebooted: test")
     assert await silent(11) == ["node-0002", "node-0003"]
     assert (await bmdb.list_events(machines["node-0001"]))[0].kind == "rebooted"
+
+
+async def test_machines_a_provider_stops_listing_are_marked_once_and_never_silent(bmdb):
+    from datetime import timedelta
+
+    provider = "listing-test"
+    now = datetime.now(UTC)
+    machines = {}
+    for provider_id in ("a", "b"):
+        machines[provider_id], _ = await bmdb.admit_machine(provider, provider_id)
+        await bmdb.record_agent_started(machines[provider_id], now - timedelta(hours=1), provider_id.encode() * 32)
+
+    async def silent() -> list[str]:
+        found = await bmdb.silent_machines(provider, as_of=now, first_heartbeat_within=60, heartbeat_within=60)
+        return [m.provider_id for m in found]
+
+    assert await silent() == ["a", "b"]
+    assert await bmdb.record_provider_listing(provider, ["a"], []) == (["a"], [])
+    # Marked already: a later pass that still misses it changes and logs nothing.
+    assert await bmdb.record_provider_listing(provider, ["a"], []) == ([], [])
+    assert await silent() == ["b"]
+    [missing] = await bmdb.machines_with_provider_id("a")
+    assert missing.missing_since is not None
+    assert [p.missing for p in await bmdb.list_provided(provider)] == [True, False]
+
+    assert await bmdb.record_provider_listing(provider, [], ["a"]) == ([], ["a"])
+    assert await silent() == ["a", "b"]
+    kinds = [event.kind for event in await bmdb.list_events(machines["a"])]
+    assert kinds[:2] == ["back_at_provider", "missing_at_provider"] and kinds.count("missing_at_provider") == 1

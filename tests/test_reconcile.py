@@ -130,3 +130,20 @@ def test_bmdb_rows_with_invalid_ids_are_reported_and_ignored():
 def test_bad_limits_are_refused(max_machines, chunk_size):
     with pytest.raises(ValueError, match=r"max_machines|chunk_size"):
         plan_reconcile([], [], max_machines=max_machines, chunk_size=chunk_size, is_valid_id=valid)
+
+
+def test_a_machine_the_provider_stops_listing_is_newly_missing_once_and_back_when_listed_again():
+    missing_now = ProvidedMachine(uuid.uuid4(), "sim", node(1), PROVIDED_STATUS_PROVIDED)
+    marked_before = ProvidedMachine(uuid.uuid4(), "sim", node(2), PROVIDED_STATUS_PROVIDED, missing=True)
+    still_marked = ProvidedMachine(uuid.uuid4(), "sim", node(3), PROVIDED_STATUS_PROVIDED, missing=True)
+    plan = plan_reconcile(
+        [in_provider(node(2), POSSIBLY)],
+        [missing_now, marked_before, still_marked],
+        max_machines=0,
+        chunk_size=20,
+        is_valid_id=valid,
+    )
+    assert plan.newly_missing == [node(1)] and plan.back_again == [node(2)]
+    # The pass is refused while BMDB has machines the provider does not know, and says what to do.
+    assert plan.refused and [d.provider_id for d in plan.disagreements] == [node(1), node(3)]
+    assert "list it there again" in plan.disagreements[0].problem

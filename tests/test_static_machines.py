@@ -9,8 +9,11 @@ to a TLS heartbeat server, and reboots it through the emulator's Redfish API.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 
 from activities.deps import open_activity_deps
 from bmdb.store import BMDB
@@ -27,6 +30,7 @@ from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, fl
 from lifecycle.inputs import fleet_input
 from lifecycle.takeover import host_key_fingerprint
 from processes.worker import serving
+from shepherd.commands.machines import print_machines
 from tests.bmc_fixtures import Bmc, fake_system, power_state, running_bmc
 from tests.fleet_stack import stack_settings, start_heartbeat_server
 from tests.sshd_fixtures import Sshd, free_port, sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
@@ -184,6 +188,24 @@ async def test_a_listed_machine_is_taken_over_and_power_cycled_through_its_bmc(
         assert power_state(lab_bmc, "lab-01") == "On"
         assert lab_bmc.password not in repr(second)
 
+        # Taken out of the inventory: reported everywhere, left alone, and the pass says what to do.
+        (tmp_path / f"{LAB}.toml").write_text("")
+        with pytest.raises(WorkflowFailureError) as refused:
+            await stack.run_pass(LAB)
+        assert "lab-01" in str(refused.value.cause) and "put it back in the file" in str(refused.value.cause)
+        [record] = await bmdb.machines_with_provider_id("lab-01")
+        assert record.missing_since is not None
+        assert [e.kind for e in await bmdb.list_events(record.machine_id, limit=1)] == ["missing_at_provider"]
+        table = io.StringIO()
+        await print_machines(stack.settings, bmdb_url, table)
+        assert table.getvalue().splitlines()[1].split()[:3] == ["lab-01", f"127.0.0.1:{sshd.port}", "MISSING"]
+
+        (tmp_path / f"{LAB}.toml").write_text(inventory)
+        await stack.run_pass(LAB)
+        [record] = await bmdb.machines_with_provider_id("lab-01")
+        assert record.missing_since is None
+        assert [e.kind for e in await bmdb.list_events(record.machine_id, limit=1)] == ["back_at_provider"]
+
 
 async def test_bmc_faults_end_in_clear_errors_in_the_status_query(tmp_path, temporal_client, bmdb_url, sshd, lab_bmc):
     right = secret_file(tmp_path / "right-password", lab_bmc.password)
@@ -269,3 +291,38 @@ async def test_ssh_key_prints_the_public_key_the_worker_logs_in_with(tmp_path, s
     key.chmod(0o644)
     code, out, err = await shepherd_cli({"SHEPHERD_SSH_KEY_PATH": str(key)}, "ssh-key")
     assert code == 1 and out == "" and "ssh_key_path" in err and str(key) in err
+
+
+def test_dev_takes_over_the_machines_of_an_inventory(tmp_path, sshd, lab_bmc):
+    key = tmp_path / "state" / "ssh_key"
+    key.parent.mkdir()
+    write_private_key(key, sshd.client_key)
+    password = secret_file(tmp_path / "bmc-password", lab_bmc.password)
+    inventory = tmp_path / "inventory.toml"
+    inventory.write_text(inventory_entry("lab-01", sshd, bmc_lines(lab_bmc, lab_bmc.systems["lab-01"], password)))
+    (tmp_path / "machine").mkdir()
+    env = {**os.environ, "SHEPHERD_AGENT_TARGET_PATH": str(tmp_path / "machine" / "agent")}
+    dev = [
+        sys.executable,
+        "-m",
+        "shepherd",
+        "dev",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--inventory",
+        str(inventory),
+    ]
+    # The machine is this host, so the agent runs with this Python, which has what it needs.
+    flags = ["--agent-python", sys.executable, "--until-ready", "--timeout", "3m"]
+    result = subprocess.run([*dev, *flags], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 machines from" in result.stdout and sshd.client_key.export_public_key("openssh").decode().split()[1] in (
+        result.stdout
+    )
+    assert "all 1 machines are WATCHING" in result.stdout and "simulator" not in result.stdout
+
+    refused = subprocess.run([*dev, "--chaos"], capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2 and "does not go with --inventory" in refused.stderr
+    inventory.write_text(inventory.read_text() + 'id = "twice"\n')
+    broken = subprocess.run([*dev, *flags], capture_output=True, text=True, env=env, timeout=60)
+    assert broken.returncode == 1 and str(inventory) in broken.stderr and "line" in broken.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -32,7 +33,8 @@ from agent.build import build_agent_executable
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
-from foundation.settings import ENV_PREFIX, Settings
+from foundation.settings import ENV_PREFIX, ProviderInstance, Settings
+from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import local_certificates
 from lifecycle.contracts import (
     MACHINE_STAGE,
@@ -44,6 +46,8 @@ from lifecycle.contracts import (
     machine_workflow_id,
 )
 from processes.worker import ensure_fleet_schedules
+from providers import ProviderError
+from providers.static import load_inventory
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
 from shepherd.commands.machines import machine_stages
 
@@ -58,7 +62,11 @@ METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
 
 
 # What the embedded stack keeps in the state dir, and --fresh deletes.
-DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key", "tls")
+DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key", "tls", "dev-providers.toml")
+# The provider instance of `shepherd dev --inventory`.
+INVENTORY_INSTANCE = "static"
+# What runs the agent on a real machine: its own python3 (with protobuf, cryptography and grpcio).
+MACHINE_PYTHON = "/usr/bin/env python3"
 
 
 # SSH stays down this long after a simulated reboot, as on real hardware.
@@ -76,8 +84,17 @@ class DevOptions:
     chaos: bool = False
     chaos_interval: float = 60.0
     chaos_kills: int | None = None  # None: until stopped
+    # Real machines from a static inventory instead of the simulator, and where they reach the heartbeat server.
+    inventory: Path | None = None
+    agent_endpoint: str | None = None
+    # The interpreter line of the agent executable; None: this Python (simulator), or MACHINE_PYTHON (inventory).
+    agent_python: str | None = None
 
     def __post_init__(self) -> None:
+        if self.inventory is None and (self.agent_endpoint or self.agent_python):
+            raise ValueError("--agent-endpoint and --agent-python go with --inventory")
+        if self.inventory is not None and self.chaos:
+            raise ValueError("--chaos kills agents through the simulator; it does not go with --inventory")
         if self.chaos_kills is not None and not self.chaos:
             raise ValueError("--chaos-kills needs --chaos")
         if self.chaos and self.until_ready and self.chaos_kills is None:
@@ -90,11 +107,22 @@ class DevError(Exception):
     """The embedded stack could not start or a child died; the message says which and why."""
 
 
-def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
-    """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch."""
-    certificates = local_certificates(state / "tls")
+def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
+    """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch.
+
+    With an inventory the machines are real: the one provider instance reads it, every listed machine is taken
+    (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint.
+    """
+    endpoint = options.agent_endpoint or AGENT_ENDPOINT
+    host, _, port = endpoint.rpartition(":")
+    certificates = local_certificates(state / "tls" if endpoint == AGENT_ENDPOINT else state / "tls" / host, host)
+    machines, listen = options.machines, AGENT_ENDPOINT
+    providers: tuple[ProviderInstance, ...] = ()
+    if options.inventory is not None:
+        machines, listen = 0, f"0.0.0.0:{port}"
+        providers = (ProviderInstance(INVENTORY_INSTANCE, "static", {"inventory": str(options.inventory)}),)
     return base.replace(
-        heartbeat_listen=AGENT_ENDPOINT,
+        heartbeat_listen=listen,
         heartbeat_tls_certificate_path=certificates.server_certificate,
         heartbeat_tls_key_path=certificates.server_key,
         agent_endpoint_ca_certificate_path=certificates.ca_certificate,
@@ -108,9 +136,9 @@ def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
         state_dir=state,
         sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
         agent_executable_path=state / "agent.pyz",
-        agent_endpoint=AGENT_ENDPOINT,
+        agent_endpoint=endpoint,
         max_machines=machines,
-        chunk_size=min(machines, 50),
+        chunk_size=min(machines or 50, 50),
         reconcile_interval=10.0,
         device_creation_interval=0.2,
         provision_backoff_initial=5.0,
@@ -118,7 +146,19 @@ def dev_settings(base: Settings, state: Path, machines: int) -> Settings:
         agent_start_backoff_initial=5.0,
         agent_start_backoff_maximum=60.0,
         agent_start_backoff_multiplier=1.5,
+        providers=providers,
+        provider="sim",
     ).check()
+
+
+def providers_file(settings: Settings, path: Path) -> Path:
+    """A settings file of the stack's provider instances: what children read, [[providers]] having no variable."""
+    lines = []
+    for instance in settings.providers:
+        lines += ["[[providers]]", f"name = {json.dumps(instance.name)}", f"type = {json.dumps(instance.type)}"]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in instance.options.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
@@ -250,10 +290,21 @@ class DevStack:
         self.base = base
         self.children: list[Child] = []
         self.postgres: LocalPostgres | None = None
+        # How many machines should reach WATCHING: the simulated fleet, or the inventory's machines.
+        self.wanted = options.machines
+        # Prometheus ports of the children this stack runs: no simulator with an inventory.
+        self.metrics_ports = {
+            child: port for child, port in METRICS_PORTS.items() if child != "simulator" or options.inventory is None
+        }
 
     def forget_state(self) -> None:
-        """Delete what the embedded stack keeps (nothing else in the state dir)."""
+        """Delete what the embedded stack keeps (nothing else in the state dir).
+
+        Real machines keep Shepherd's key in their authorized_keys, so with an inventory the key stays.
+        """
         for name in DEV_STATE:
+            if name == "ssh_key" and self.options.inventory is not None:
+                continue
             path = self.state / name
             if path.is_dir():
                 shutil.rmtree(path)
@@ -267,7 +318,15 @@ class DevStack:
         if self.options.fresh:
             self.forget_state()
         self.state.mkdir(parents=True, exist_ok=True)
-        settings = dev_settings(self.base, self.state, self.options.machines)
+        try:
+            settings = dev_settings(self.base, self.state, self.options)
+            # Refused now, in one line naming file, line and machine, rather than in the first pass.
+            self.wanted = (
+                len(load_inventory(self.options.inventory)) if self.options.inventory else self.options.machines
+            )
+        except ProviderError as error:
+            print(f"shepherd dev: {error}", file=sys.stderr)
+            return 1
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -287,12 +346,13 @@ class DevStack:
                 self.postgres.stop()
 
     async def start(self, settings: Settings) -> tuple[Client, str]:
+        simulated = self.options.inventory is None
         for port, what in (
             (TEMPORAL_PORT, "Temporal"),
             (TEMPORAL_UI_PORT, "Temporal UI"),
-            (SIM_API_PORT, "simulator API"),
-            (HEARTBEAT_PORT, "heartbeat server"),
-            *((port, f"{child} metrics") for child, port in METRICS_PORTS.items()),
+            *([(SIM_API_PORT, "simulator API")] if simulated else []),
+            (int(settings.heartbeat_listen.rpartition(":")[2]), "heartbeat server"),
+            *((port, f"{child} metrics") for child, port in self.metrics_ports.items()),
         ):
             check_port_free(port, what)
         logs = self.state / "logs"
@@ -328,8 +388,52 @@ class DevStack:
         await asyncio.to_thread(migrate.upgrade, database_url)
 
         assert settings.agent_executable_path is not None
-        build_agent_executable(settings.agent_executable_path)
+        python = self.options.agent_python or (sys.executable if simulated else MACHINE_PYTHON)
+        build_agent_executable(settings.agent_executable_path, python)
+        if simulated:
+            await self.start_simulator(settings, logs)
+        else:
+            key = public_key_openssh(load_or_create_ssh_key(settings.effective_ssh_key_path))
+            self.say(f"{self.wanted} machines from {self.options.inventory}; Shepherd logs in to them with")
+            self.say(f"  {key}")
+            self.say(f"the agent runs there with {python}, which needs protobuf, cryptography and grpcio")
 
+        client = await self.wait_until(self.temporal_client, settings, "the Temporal server")
+        child_env = {
+            **settings_environment(settings),
+            "SHEPHERD_DATABASE_URL": database_url,
+            "SHEPHERD_CONFIG": str(providers_file(settings, self.state / "dev-providers.toml")),
+        }
+        self.say(
+            f"starting the heartbeat server on {settings.heartbeat_listen} (TLS), agents call {settings.agent_endpoint}"
+        )
+
+        self.children.append(
+            Child(
+                "heartbeat-server",
+                [sys.executable, "-m", "shepherd", "heartbeat-server"],
+                logs / "heartbeat-server.log",
+                env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['heartbeat-server']}"},
+            )
+        )
+        self.say("starting the worker")
+        self.children.append(
+            Child(
+                "worker",
+                [sys.executable, "-m", "shepherd", "worker"],
+                logs / "worker.log",
+                env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['worker']}"},
+            )
+        )
+        await ensure_fleet_schedules(client, settings, trigger=True)
+        self.say(
+            "metrics: "
+            + ", ".join(f"http://127.0.0.1:{port}/metrics ({child})" for child, port in self.metrics_ports.items())
+        )
+        self.say(f"logs in {logs}; Ctrl-C stops everything")
+        return client, database_url
+
+    async def start_simulator(self, settings: Settings, logs: Path) -> None:
         self.say(f"starting the simulator with {self.options.machines} machines")
         self.children.append(
             Child(
@@ -356,34 +460,6 @@ class DevStack:
         )
         await self.wait_until(self.simulator_ready, settings.sim_api_url + "/healthz", "the simulator API")
 
-        client = await self.wait_until(self.temporal_client, settings, "the Temporal server")
-        child_env = {**settings_environment(settings), "SHEPHERD_DATABASE_URL": database_url}
-        self.say(f"starting the heartbeat server on {AGENT_ENDPOINT} (TLS)")
-        self.children.append(
-            Child(
-                "heartbeat-server",
-                [sys.executable, "-m", "shepherd", "heartbeat-server"],
-                logs / "heartbeat-server.log",
-                env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['heartbeat-server']}"},
-            )
-        )
-        self.say("starting the worker")
-        self.children.append(
-            Child(
-                "worker",
-                [sys.executable, "-m", "shepherd", "worker"],
-                logs / "worker.log",
-                env={**child_env, "SHEPHERD_METRICS_LISTEN": f"127.0.0.1:{METRICS_PORTS['worker']}"},
-            )
-        )
-        await ensure_fleet_schedules(client, settings, trigger=True)
-        self.say(
-            "metrics: "
-            + ", ".join(f"http://127.0.0.1:{port}/metrics ({child})" for child, port in METRICS_PORTS.items())
-        )
-        self.say(f"logs in {logs}; Ctrl-C stops everything")
-        return client, database_url
-
     async def wait_until(self, probe, argument, what: str, limit: float = 60.0):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + limit
         while True:
@@ -409,7 +485,7 @@ class DevStack:
 
     async def watch(self, client: Client, database_url: str, stop: asyncio.Event, chaos: Chaos | None) -> int:
         """Show progress; with --until-ready, end once every machine is WATCHING (and chaos has been undone)."""
-        wanted = self.options.machines
+        wanted = self.wanted
         deadline = time.monotonic() + self.options.timeout
         bmdb = BMDB(database_url, pool_size=1)
         earlier_recoveries = sum((await bmdb.recovery_counts()).values())
@@ -502,7 +578,27 @@ def register(commands: Subcommands) -> None:
         help=f"time between agent kills (default {defaults.chaos_interval:g}s)",
     )
     parser.add_argument("--chaos-kills", type=positive_int, help="stop killing after this many (default: never)")
+    parser.add_argument(
+        "--inventory", type=Path, help="take over the real machines of this static inventory instead of simulating"
+    )
+    parser.add_argument(
+        "--agent-endpoint",
+        type=endpoint_arg,
+        help=f"HOST:PORT the machines reach the heartbeat server at (with --inventory; default {AGENT_ENDPOINT})",
+    )
+    parser.add_argument(
+        "--agent-python",
+        help=f"interpreter line of the agent on the machines (with --inventory; default {MACHINE_PYTHON!r})",
+    )
     parser.set_defaults(run=run)
+
+
+def endpoint_arg(text: str) -> str:
+    """An argparse type: HOST:PORT with a port number."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {text!r}")
+    return text
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
@@ -515,6 +611,9 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             chaos=args.chaos,
             chaos_interval=args.chaos_interval,
             chaos_kills=args.chaos_kills,
+            inventory=args.inventory.resolve() if args.inventory else None,
+            agent_endpoint=args.agent_endpoint,
+            agent_python=args.agent_python,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -70,7 +70,10 @@ def age(then: datetime | None, now: datetime) -> str:
 
 
 def format_machines(views: list[MachineView], now: datetime) -> list[str]:
-    """Lines of a table that fits 80 columns; agent start and last heartbeat as ages."""
+    """Lines of a table that fits 80 columns; agent start and last heartbeat as ages.
+
+    A machine its provider no longer lists shows as MISSING: it is left alone until listed again.
+    """
     row = "{:<14} {:<21} {:<14} {:>6} {:>9} {:>10}"
     lines = [row.format("PROVIDER ID", "ADDRESS", "STAGE", "AGENT", "HEARTBEAT", "RECOVERIES")]
     for view in views:
@@ -80,7 +83,7 @@ def format_machines(views: list[MachineView], now: datetime) -> list[str]:
             row.format(
                 record.provider_id,
                 address,
-                view.stage,
+                "MISSING" if record.missing_since else view.stage,
                 age(record.agent_started_at, now),
                 age(record.agent_heartbeat_at, now),
                 view.recoveries,
@@ -105,6 +108,7 @@ def record_json(record: MachineRecord, recoveries: int) -> dict[str, Any]:
         "bmdb_status": record.status,
         "agent_started_at": when(record.agent_started_at),
         "last_heartbeat_at": when(record.agent_heartbeat_at),
+        "missing_at_provider_since": when(record.missing_since),
         "recoveries": recoveries,
     }
 

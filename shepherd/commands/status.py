@@ -103,6 +103,8 @@ def format_detail(detail: MachineDetail, now: datetime) -> list[str]:
         ("BMDB status", record.status),
         ("agent started", _at(record.agent_started_at, now)),
     ]
+    if record.missing_since:
+        rows.append(("missing", f"not listed by its provider since {_at(record.missing_since, now)}; left alone"))
     if status is not None and status.agent is not None:
         rows.append(("agent key", status.agent.key_fingerprint))
         rows += [("agent warning", warning) for warning in status.agent.warnings]
