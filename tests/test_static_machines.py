@@ -26,10 +26,17 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from activities.deps import open_activity_deps
 from bmdb.store import BMDB
 from foundation.settings import ProviderInstance, Settings
-from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, fleet_schedule_id, machine_workflow_id
+from lifecycle.contracts import (
+    FleetPassResult,
+    MachineStage,
+    MachineStatus,
+    fleet_schedule_id,
+    machine_workflow_id,
+    provider_task_queue,
+)
 from lifecycle.inputs import fleet_input
 from lifecycle.takeover import host_key_fingerprint
-from processes.worker import serving
+from processes.worker import build_workers, serving
 from shepherd.commands.machines import print_machines
 from tests.bmc_fixtures import Bmc, fake_system, power_state, running_bmc
 from tests.fleet_stack import stack_settings, start_heartbeat_server
@@ -205,6 +212,41 @@ async def test_a_listed_machine_is_taken_over_and_power_cycled_through_its_bmc(
         [record] = await bmdb.machines_with_provider_id("lab-01")
         assert record.missing_since is None
         assert [e.kind for e in await bmdb.list_events(record.machine_id, limit=1)] == ["back_at_provider"]
+
+        # A malformed inventory refuses the pass in one line naming file, line and machine; nothing is marked.
+        (tmp_path / f"{LAB}.toml").write_text(inventory.replace(f":{sshd.port}", ":99999"))
+        with pytest.raises(WorkflowFailureError) as malformed:
+            await stack.run_pass(LAB)
+        message = str(malformed.value.cause)
+        assert f"{tmp_path / f'{LAB}.toml'} line 1 machine 'lab-01'" in message and "99999" in message
+        [record] = await bmdb.machines_with_provider_id("lab-01")
+        assert record.missing_since is None
+
+
+async def test_provider_activities_run_on_the_instances_rate_limited_queue(tmp_path, temporal_client, bmdb_url):
+    (tmp_path / "empty.toml").write_text("")
+    settings = stack_settings(
+        tmp_path,
+        "http://127.0.0.1:9",
+        temporal_client,
+        providers=(
+            ProviderInstance(LAB, "static", {"inventory": str(tmp_path / "empty.toml")}, activities_per_second=2.5),
+            ProviderInstance(HASTY, "static", {"inventory": str(tmp_path / "empty.toml")}),
+        ),
+    )
+    deps = await open_activity_deps(settings, temporal_client, bmdb_url)
+    try:
+        workers = {worker.task_queue: worker.config() for worker in build_workers(temporal_client, deps)}
+    finally:
+        await deps.close()
+    queue = settings.task_queue
+    assert set(workers) == {queue, provider_task_queue(queue, LAB), provider_task_queue(queue, HASTY)}
+    assert workers[provider_task_queue(queue, LAB)].get("max_task_queue_activities_per_second") == 2.5
+    assert workers[provider_task_queue(queue, HASTY)].get("max_task_queue_activities_per_second") is None
+    provider_activities = {"plan_reconcile_pass", "provision_machine", "start_agent", "reboot_machine"}
+    for name, config in workers.items():
+        names = {getattr(activity, "__name__", "") for activity in config.get("activities", [])}
+        assert names == provider_activities if name != queue else not names & provider_activities, (name, names)
 
 
 async def test_bmc_faults_end_in_clear_errors_in_the_status_query(tmp_path, temporal_client, bmdb_url, sshd, lab_bmc):
