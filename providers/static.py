@@ -97,6 +97,19 @@ class BMCConfig:
         return password
 
 
+def _password_file_problem(path: Path) -> str | None:
+    """Why the password file cannot serve, seen from its metadata alone (every pass checks; only a reboot reads it)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        return f"cannot be read: {error.strerror or type(error).__name__}"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    if mode & 0o077:
+        return f"is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
+    return None
+
+
 def _read_secret(path: Path, where: str, provider: str) -> str:
     """The text of a password file that only its owner can read, without its trailing newline."""
     try:
@@ -189,6 +202,10 @@ def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachin
         if machine.id in seen:
             first = f"line {seen[machine.id]}" if seen[machine.id] else "an earlier table"
             raise refuse(f"duplicate id, first listed at {first}", line, machine.id)
+        if machine.bmc is not None and machine.bmc.password_file is not None:
+            unusable = _password_file_problem(machine.bmc.password_file)
+            if unusable:
+                raise refuse(f"BMC password file {machine.bmc.password_file} {unusable}", line, machine.id)
         seen[machine.id] = line
         machines.append(machine)
     return machines

@@ -146,6 +146,13 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def good_inventory(tmp_path: Path) -> Path:
+    """GOOD, with the password file its first machine names, owner-only as every pass checks."""
+    (tmp_path / "bmc").mkdir(exist_ok=True)
+    write(tmp_path / "bmc" / "rack1-node01", SECRET).chmod(0o600)
+    return write(tmp_path / "inventory.toml", GOOD)
+
+
 def one_line(error: BaseException) -> str:
     message = str(error)
     assert "\n" not in message
@@ -175,7 +182,7 @@ def test_unreadable_inventory(tmp_path: Path) -> None:
 
 
 def test_good_inventory(tmp_path: Path) -> None:
-    machines = load_inventory(write(tmp_path / "inventory.toml", GOOD))
+    machines = load_inventory(good_inventory(tmp_path))
     assert [(m.id, m.host, m.port, m.ssh_user, m.line) for m in machines] == [
         ("rack1-node01", "10.0.0.11", 22, "admin", 3),
         # Without ssh_user: None, so the ssh_user setting (default root) applies.
@@ -196,7 +203,7 @@ def test_good_inventory(tmp_path: Path) -> None:
 
 
 async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
-    provider = StaticProvider("rack", write(tmp_path / "inventory.toml", GOOD))
+    provider = StaticProvider("rack", good_inventory(tmp_path))
     assert provider.name == "rack"
     listed = await provider.list_machines()
     assert [m.provider_id for m in listed] == ["rack1-node01", "rack1-node02", "node.03_b", "v6-default-port"]
@@ -215,7 +222,7 @@ async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
 
 
 async def test_the_inventory_is_read_again_on_every_call(tmp_path: Path) -> None:
-    path = write(tmp_path / "inventory.toml", GOOD)
+    path = good_inventory(tmp_path)
     provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
     assert len(await provider.list_machines()) == 4
 
@@ -287,7 +294,7 @@ async def test_reboot_goes_through_the_bmc_once(tmp_path: Path, caplog: pytest.L
 
 async def test_reboot_without_bmc_is_for_a_person(tmp_path: Path) -> None:
     calls: list = []
-    provider = StaticProvider("rack", write(tmp_path / "inventory.toml", GOOD), power=FakePowerControl.factory(calls))
+    provider = StaticProvider("rack", good_inventory(tmp_path), power=FakePowerControl.factory(calls))
     with pytest.raises(NoBMC) as caught:
         await provider.reboot_machine("rack1-node02")
     assert caught.value.retryable is False
@@ -299,16 +306,24 @@ async def test_reboot_without_bmc_is_for_a_person(tmp_path: Path) -> None:
 def test_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:
     secret = write(tmp_path / "password", SECRET)
     secret.chmod(0o644)
-    [listed] = load_inventory(bmc_inventory(tmp_path, f'password_file = "{secret}"'))
+    inventory = bmc_inventory(tmp_path, f'password_file = "{secret}"')
+    # Every pass checks the file (without reading it) and refuses the whole inventory in one line.
+    with pytest.raises(InventoryError) as refused:
+        load_inventory(inventory)
+    message = one_line(refused.value)
+    assert f"inventory {inventory} line 2 machine 'rack1-node01': BMC password file {secret} is readable" in message
+    assert f"chmod 600 {secret}" in message
+
+    secret.chmod(0o600)
+    [listed] = load_inventory(inventory)
     assert listed.bmc is not None and SECRET not in repr(listed)
+    assert listed.bmc.endpoint(listed.id).password == SECRET
+    # Made readable after the pass: the reboot that reads it refuses too.
+    secret.chmod(0o644)
     with pytest.raises(InventoryError) as caught:
         listed.bmc.endpoint(listed.id)
     message = one_line(caught.value)
     assert f"machine 'rack1-node01': BMC password file {secret} is readable by others (mode 0644)" in message
-    assert f"chmod 600 {secret}" in message
-
-    secret.chmod(0o600)
-    assert listed.bmc.endpoint(listed.id).password == SECRET
 
 
 @pytest.mark.parametrize(
@@ -321,11 +336,15 @@ def test_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:
     ids=["missing", "empty", "group-readable"],
 )
 def test_password_file_problems(tmp_path: Path, content: str | None, mode: int, expected: str) -> None:
-    secret = tmp_path / "password"
-    if content is not None:
-        write(secret, content).chmod(mode)
+    secret = write(tmp_path / "password", SECRET)
+    secret.chmod(0o600)
     [listed] = load_inventory(bmc_inventory(tmp_path, 'password_file = "password"'))
     assert listed.bmc is not None
+    # Changed after the pass that listed it: the reboot reads the file and refuses.
+    if content is None:
+        secret.unlink()
+    else:
+        write(secret, content).chmod(mode)
     with pytest.raises(InventoryError) as caught:
         listed.bmc.endpoint(listed.id, "rack")
     where = f"provider rack: machine 'rack1-node01': BMC password file {secret}"
@@ -345,3 +364,14 @@ def test_password_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("SHEPHERD_TEST_BMC", SECRET)
     assert listed.bmc.endpoint(listed.id).password == SECRET
     assert os.environ["SHEPHERD_TEST_BMC"] not in repr(listed.bmc)
+
+
+def test_a_missing_password_file_refuses_the_inventory_naming_line_and_machine(tmp_path: Path) -> None:
+    inventory = bmc_inventory(tmp_path, 'password_file = "nowhere"')
+    with pytest.raises(InventoryError) as refused:
+        load_inventory(inventory)
+    assert refused.value.retryable is False
+    assert one_line(refused.value) == (
+        f"provider static: inventory {inventory} line 2 machine 'rack1-node01': "
+        f"BMC password file {tmp_path / 'nowhere'} cannot be read: No such file or directory"
+    )
