@@ -43,6 +43,14 @@ def check_listen_address(setting: str, value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """(host, port) of a host:port others connect to: both present, the port 1-65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port, got {text!r}")
+    return host, int(port)
+
+
 def parse_duration(text: str) -> float:
     """Seconds from ``90``, ``1.5s``, ``250ms``, ``5m`` or ``4h``."""
     match = _DURATION_RE.match(text)
@@ -241,9 +249,10 @@ class Settings:
             raise SettingsError("agent_executable_path", f"{self.agent_executable_path} is not a readable file")
         if not self.agent_endpoint:
             raise SettingsError("agent_endpoint", "must be set to the host:port agents call back")
-        host, sep, port = self.agent_endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise SettingsError("agent_endpoint", f"must be host:port, got {self.agent_endpoint!r}")
+        try:
+            parse_endpoint(self.agent_endpoint)
+        except ValueError as error:
+            raise SettingsError("agent_endpoint", str(error)) from None
         ca = self.agent_endpoint_ca_certificate_path
         if ca is not None and not ca.is_file():
             raise SettingsError("agent_endpoint_ca_certificate_path", f"{ca} is not a readable file")

@@ -33,7 +33,7 @@ from agent.build import build_agent_executable
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
-from foundation.settings import ENV_PREFIX, ProviderInstance, Settings
+from foundation.settings import ENV_PREFIX, ProviderInstance, Settings, parse_endpoint
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import local_certificates
 from lifecycle.contracts import (
@@ -114,7 +114,7 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
     (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint.
     """
     endpoint = options.agent_endpoint or AGENT_ENDPOINT
-    host, _, port = endpoint.rpartition(":")
+    host, port = parse_endpoint(endpoint)
     certificates = local_certificates(state / "tls" if endpoint == AGENT_ENDPOINT else state / "tls" / host, host)
     machines, listen = options.machines, AGENT_ENDPOINT
     providers: tuple[ProviderInstance, ...] = ()
@@ -595,9 +595,10 @@ def register(commands: Subcommands) -> None:
 
 def endpoint_arg(text: str) -> str:
     """An argparse type: HOST:PORT with a port number."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {text!r}")
+    try:
+        parse_endpoint(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 
