@@ -20,12 +20,14 @@ from lifecycle.contracts import (
     AdmitInput,
     EnsureWorkflowsInput,
     EnsureWorkflowsResult,
+    HeartbeatLost,
     ReconcilePassInput,
     ReconcilePassPlan,
     WatchdogInput,
     machine_workflow_id,
 )
 from lifecycle.reconcile import plan_reconcile
+from lifecycle.takeover import key_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,8 @@ class FleetActivities:
         async def signal(machine: SilentMachine) -> str | None:
             handle = self.deps.client.get_workflow_handle(machine_workflow_id(input.provider, machine.provider_id))
             try:
-                await handle.signal(HEARTBEAT_LOST_SIGNAL, machine.cause())
+                lost = HeartbeatLost(machine.cause(), key_fingerprint(machine.agent_public_key))
+                await handle.signal(HEARTBEAT_LOST_SIGNAL, lost)
             except RPCError as error:
                 # No running workflow: the ensure step of the next pass starts one.
                 log.warning("cannot signal %s: %s", handle.id, error)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -14,15 +12,9 @@ from temporalio.exceptions import ApplicationError
 from activities.deps import ActivityDeps, provider_errors
 from bmdb.store import MachineRecord
 from lifecycle.contracts import AgentFacts, StartAgentInput
-from lifecycle.takeover import TakeoverError, TakeoverSettings, TakeoverTarget, take_over
+from lifecycle.takeover import TakeoverError, TakeoverSettings, TakeoverTarget, key_fingerprint, take_over
 
 log = logging.getLogger(__name__)
-
-
-def key_fingerprint(public_key: bytes) -> str:
-    """OpenSSH-style SHA256 fingerprint of a raw ed25519 public key."""
-    digest = base64.b64encode(hashlib.sha256(public_key).digest()).decode().rstrip("=")
-    return f"SHA256:{digest}"
 
 
 def _facts(started_at: datetime, public_key: bytes, warnings: list[str]) -> AgentFacts:

@@ -73,6 +73,8 @@ class SilentMachine:
     provider_id: str
     agent_started_at: datetime
     agent_heartbeat_at: datetime | None
+    # The silent agent's ed25519 public key: the signal names the agent it is about.
+    agent_public_key: bytes = b""
 
     def cause(self) -> str:
         if self.agent_heartbeat_at is None:
@@ -411,6 +413,7 @@ class BMDB:
                 machine_provided.c.machine_id,
                 machine_provided.c.provider_id,
                 machine_agent_started.c.agent_started_at,
+                machine_agent_started.c.agent_public_key,
                 machine_agent_heartbeat.c.agent_heartbeat_at,
             )
             .select_from(
@@ -428,7 +431,9 @@ class BMDB:
         )
         async with self.engine.connect() as conn:
             return [
-                SilentMachine(r.machine_id, r.provider_id, r.agent_started_at, r.agent_heartbeat_at)
+                SilentMachine(
+                    r.machine_id, r.provider_id, r.agent_started_at, r.agent_heartbeat_at, bytes(r.agent_public_key)
+                )
                 for r in await conn.execute(query)
             ]
 

@@ -76,6 +76,19 @@ def initial_search_attributes(provider: str, provider_id: str, machine_id: str) 
 RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
 
 HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"
+
+
+@dataclass(frozen=True)
+class HeartbeatLost:
+    """What the fleet watchdog signals with heartbeat_lost: why, and which agent fell silent.
+
+    A workflow whose agent has changed since the watchdog read BMDB (a recovery finished in between) ignores it.
+    """
+
+    cause: str
+    agent_key_fingerprint: str
+
+
 FORCE_RECOVER_SIGNAL = "force_recover"
 RETRY_NOW_SIGNAL = "retry_now"
 STATUS_QUERY = "status"

@@ -9,7 +9,9 @@ address and the problem, with a TakeoverFailure saying which kind it is.
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
+import hashlib
 import posixpath
 import secrets
 import shlex
@@ -217,6 +219,12 @@ async def probe_ssh(target: TakeoverTarget, client_key: asyncssh.SSHKey, connect
         return _server_host_key(connection, target)
     finally:
         await _close(connection, connect_timeout)
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """OpenSSH-style SHA256 fingerprint of a raw ed25519 public key."""
+    digest = base64.b64encode(hashlib.sha256(public_key).digest()).decode().rstrip("=")
+    return f"SHA256:{digest}"
 
 
 def host_key_fingerprint(openssh_line: str) -> str:

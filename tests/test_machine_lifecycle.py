@@ -26,6 +26,7 @@ from foundation.settings import Settings
 from lifecycle.contracts import (
     AgentFacts,
     Backoff,
+    HeartbeatLost,
     LifecyclePolicy,
     MachineInput,
     MachineStage,
@@ -71,7 +72,9 @@ class FakeMachineActivities:
         self.agent_attempt_times.append(activity.info().current_attempt_scheduled_time.timestamp())
         if len(self.agent_attempt_times) <= self.agent_failures:
             raise ApplicationError("agent said: disk on fire", type="AGENT_ERROR", non_retryable=True)
-        return AgentFacts(started_at="2026-01-01T00:00:00+00:00", key_fingerprint="SHA256:x")
+        # Every agent started has a key of its own, as on a machine.
+        key = f"SHA256:agent-{len(self.agent_attempt_times)}"
+        return AgentFacts(started_at="2026-01-01T00:00:00+00:00", key_fingerprint=key)
 
 
 async def start_machine(env, queue: str, policy: LifecyclePolicy) -> Any:
@@ -273,4 +276,31 @@ async def test_a_hundred_recoveries_keep_the_history_short(time_skipping_env):
         assert status.recovery_count == 100 and status.stage is MachineStage.WATCHING
         history = await handle.fetch_history()
         assert len(history.events) < 60
+        await handle.terminate()
+
+
+async def test_heartbeat_lost_about_an_agent_that_was_replaced_is_ignored(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "stale") as queue:
+        first = await watching_machine(env, fakes, queue)
+        handle = env.client.get_workflow_handle(first.id)
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 1
+        assert status.agent is not None and status.agent.key_fingerprint == "SHA256:agent-2"
+
+        # A watchdog pass that read BMDB before that recovery finished: about the old agent, so no second reboot.
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 1 and len(fakes.reboots) == 1
+
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent again", "SHA256:agent-2"))
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert (
+            status.recovery_count == 2 and [cause for _, cause in fakes.reboots][-1] == "heartbeat lost: silent again"
+        )
         await handle.terminate()

@@ -156,8 +156,21 @@ class MachineWorkflow:
         self._request_recovery(f"forced: {recovery_reason(request)}")
 
     @workflow.signal(name=HEARTBEAT_LOST_SIGNAL)
-    def heartbeat_lost(self, cause: Any = None) -> None:
-        """The fleet watchdog found the agent silent."""
+    def heartbeat_lost(self, lost: Any = None) -> None:
+        """The fleet watchdog found the agent silent: a HeartbeatLost (or, from older watchdogs, the cause alone)."""
+        cause, agent = lost, None
+        if isinstance(lost, dict):
+            cause, agent = lost.get("cause"), lost.get("agent_key_fingerprint")
+        current = self._status.agent.key_fingerprint if self._status.agent else None
+        if isinstance(agent, str) and agent != current:
+            # The watchdog read BMDB before a recovery finished: that agent is gone, the new one has its own watch.
+            workflow.logger.info(
+                "heartbeat_lost about agent %s ignored: the machine's agent is %s now",
+                agent,
+                current or "not started yet",
+                extra=self._log_fields,
+            )
+            return
         self._request_recovery(f"heartbeat lost: {cause if isinstance(cause, str) and cause else 'no detail'}")
 
     @workflow.signal(name=RETRY_NOW_SIGNAL)
