@@ -6,6 +6,7 @@ Kept free of the rest of Shepherd: it runs inside the agent executable.
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from proto import agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload
+
+# Never retry sooner than this, whatever the jitter draws.
+MIN_RETRY_DELAY = 0.1
 
 
 def signed_heartbeat(
@@ -30,16 +34,24 @@ def signed_heartbeat(
     )
 
 
-class HeartbeatLoop:
-    """Send heartbeats to the endpoint of the TakeoverInit until told to stop.
+def retry_delay(failures: int, base: float, cap: float, rng: random.Random) -> float:
+    """Seconds before retry number `failures`: anywhere up to base x 2^(failures-1), at most cap ("full jitter").
 
-    A heartbeat server that is down is retried every few seconds, so the agent
-    catches up as soon as it is back. Once a heartbeat was accepted, an answer
-    that the agent is unknown or its key wrong means a newer agent took over:
-    this one stops. (Before that, Shepherd may simply not have recorded the
-    key yet.) So does one
-    whose server stayed unreachable for give_up_after: by then Shepherd has
-    rebooted the machine.
+    Random within the whole window, so a fleet of agents that lost its server at the same moment does not come
+    back to it in step when it restarts.
+    """
+    ceiling = min(cap, base * 2 ** min(max(failures - 1, 0), 32))
+    return max(MIN_RETRY_DELAY, rng.uniform(0, ceiling))
+
+
+class HeartbeatLoop:
+    """Send heartbeats to the endpoint of the TakeoverInit until a newer agent has taken over.
+
+    A heartbeat server that cannot be reached, or answers with an error, is retried for as long as it takes,
+    with capped exponential back-off and jitter (retry_delay): an outage on Shepherd's side, however long,
+    must not leave the fleet without agents. Once a heartbeat was accepted, an answer that the agent is
+    unknown or its key wrong means a newer agent took over: this one stops. (Before that, Shepherd may simply
+    not have recorded the key yet.)
     """
 
     def __init__(
@@ -51,8 +63,10 @@ class HeartbeatLoop:
         *,
         interval: float = 30.0,
         retry_interval: float = 5.0,
-        give_up_after: float = 3600.0,
+        max_retry_interval: float = 300.0,
         log: Callable[[str], None] = lambda line: None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
     ) -> None:
         self.machine_id = machine_id
         self.key = key
@@ -60,21 +74,25 @@ class HeartbeatLoop:
         self.ca_certificate_der = ca_certificate_der
         self.interval = interval
         self.retry_interval = retry_interval
-        self.give_up_after = give_up_after
+        self.max_retry_interval = max_retry_interval
         self.log = log
+        self.sleep = sleep
+        # Seeded from the OS per agent, so no two agents draw the same delays.
+        self.rng = rng or random.Random(os.urandom(16))
 
-    def run(self) -> str:
-        """Heartbeat until a reason to stop; returns the reason."""
+    def run(self, call: Callable[..., Any] | None = None) -> str:
+        """Heartbeat until a newer agent has taken over; returns why it stopped. call: the RPC (tests give one)."""
         import grpc  # after the fork that detached the agent: grpc must not cross a fork
 
-        channel = grpc.secure_channel(self.endpoint, self._credentials(grpc))
-        call = channel.unary_unary(
-            "/shepherd.agent.v1.AgentCallback/Heartbeat",
-            request_serializer=agent_api_pb2.HeartbeatRequest.SerializeToString,
-            response_deserializer=agent_api_pb2.HeartbeatResponse.FromString,
-        )
-        last_success = time.monotonic()
+        if call is None:
+            channel = grpc.secure_channel(self.endpoint, self._credentials(grpc))
+            call = channel.unary_unary(
+                "/shepherd.agent.v1.AgentCallback/Heartbeat",
+                request_serializer=agent_api_pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=agent_api_pb2.HeartbeatResponse.FromString,
+            )
         accepted_once = False
+        failures = 0
         while True:
             try:
                 response = call(signed_heartbeat(self.machine_id, self.key), timeout=10)
@@ -82,15 +100,19 @@ class HeartbeatLoop:
                 code = error.code()
                 if accepted_once and code is grpc.StatusCode.UNAUTHENTICATED:
                     return f"heartbeat refused ({error.details()}): a newer agent has taken over"
-                if time.monotonic() - last_success > self.give_up_after:
-                    return f"no heartbeat accepted for {self.give_up_after:.0f}s: giving up"
-                self.log(f"heartbeat failed ({code.name}: {error.details()}); retrying")
-                time.sleep(self.retry_interval)
+                failures += 1
+                delay = retry_delay(failures, self.retry_interval, self.max_retry_interval, self.rng)
+                # Every failure at first, then ever more rarely: a long outage must not fill the disk.
+                if failures & (failures - 1) == 0:
+                    self.log(f"heartbeat failed {failures} time(s) ({code.name}: {error.details()}); retrying")
+                self.sleep(delay)
                 continue
-            last_success = time.monotonic()
+            if failures:
+                self.log(f"heartbeat accepted again after {failures} failure(s)")
+            failures = 0
             accepted_once = True
             wait = response.next_heartbeat_in_ms / 1000 if response.next_heartbeat_in_ms > 0 else self.interval
-            time.sleep(wait)
+            self.sleep(wait)
 
     def _credentials(self, grpc: Any) -> Any:
         if not self.ca_certificate_der:

@@ -1,22 +1,26 @@
-"""The reference agent's heartbeats, end to end: built executable, detached daemon, TLS, BMDB."""
+"""The reference agent's heartbeats: end to end (built executable, detached daemon, TLS, BMDB), and its retry rule."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
 from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from agent.build import build_agent_executable
+from agent.heartbeat import MIN_RETRY_DELAY, HeartbeatLoop, retry_delay
 from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
 from foundation.tls import local_certificates
 from processes.heartbeat_server import HeartbeatService, build_server
-from proto import takeover_pb2
+from proto import agent_api_pb2, takeover_pb2
 from tests.processes import kill_processes_mentioning
 
 
@@ -96,3 +100,55 @@ async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_
     finally:
         kill_processes_mentioning(str(state_dir))
         await server.stop(None)
+
+
+def test_retry_delays_grow_to_the_cap_with_jitter_that_sets_agents_apart():
+    cap = 300.0
+    first, second = random.Random(1), random.Random(2)
+    delays = [retry_delay(n, 5.0, cap, first) for n in range(1, 200)]
+    assert all(MIN_RETRY_DELAY <= delay <= cap for delay in delays)
+    assert all(delay <= 5.0 * 2 ** (n - 1) for n, delay in enumerate(delays[:6], 1))
+    assert max(delays[20:]) > cap / 2  # the window reached the cap
+    # Two agents that failed at the same moment retry at different moments.
+    assert [round(d, 3) for d in delays[:20]] != [round(retry_delay(n, 5.0, cap, second), 3) for n in range(1, 21)]
+
+
+class Refused(grpc.RpcError):
+    """What the gRPC call raises: a status code and its details."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"test {self._code.name}"
+
+
+def test_the_agent_never_gives_up_and_stops_only_when_refused_after_acceptance():
+    answers: list[grpc.StatusCode | None] = (
+        [grpc.StatusCode.UNAVAILABLE] * 500  # most of a day of outage, as the agent sees it
+        + [grpc.StatusCode.UNAUTHENTICATED] * 3  # Shepherd has not recorded the key yet: keep trying
+        + [None, grpc.StatusCode.INTERNAL, None]
+        + [grpc.StatusCode.UNAUTHENTICATED]
+    )
+    slept: list[float] = []
+    log: list[str] = []
+
+    def call(request: agent_api_pb2.HeartbeatRequest, timeout: float) -> agent_api_pb2.HeartbeatResponse:
+        code = answers.pop(0)
+        if code is not None:
+            raise Refused(code)
+        return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=30_000)
+
+    loop = HeartbeatLoop(
+        str(uuid.uuid4()), Ed25519PrivateKey.generate(), "h:1", b"", log=log.append, sleep=slept.append
+    )
+    assert loop.run(call) == "heartbeat refused (test UNAUTHENTICATED): a newer agent has taken over"
+    assert answers == []
+    # Far past the hour after which agents used to give up.
+    assert sum(slept[:503]) > 10 * 3600 and max(slept) <= 300.0
+    assert len(set(slept[100:503])) > 300  # jittered, not in step
+    # The log grows with the logarithm of the outage, not with it.
+    assert len(log) < 25 and log[-1] == "heartbeat accepted again after 1 failure(s)"
