@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from foundation.settings import ProviderInstance, Settings, SettingsError
+from foundation.settings import ProviderInstance, Settings, SettingsError, parse_duration
 from providers import Provider
 
 ENTRY_POINT_GROUP = "shepherd.providers"
@@ -48,3 +48,18 @@ def unknown_options(instance: ProviderInstance, known: tuple[str, ...]) -> None:
             f"instance {instance.name!r} (type {instance.type}) has no option {', '.join(unknown)}; "
             f"it takes: {', '.join(known) or 'none'}",
         )
+
+
+def duration_option(instance: ProviderInstance, option: str, default: float) -> float:
+    """A positive time option in seconds, given as a number or a duration such as "2m"; default when absent."""
+    value = instance.options.get(option, default)
+    if isinstance(value, str):
+        try:
+            value = parse_duration(value)
+        except ValueError as error:
+            raise SettingsError("providers", f"instance {instance.name!r}: {option}: {error}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise SettingsError(
+            "providers", f"instance {instance.name!r}: {option} must be positive seconds or a duration, got {value!r}"
+        )
+    return float(value)

@@ -21,7 +21,7 @@ from providers import (
     ProviderProtocolError,
     ProviderUnavailable,
 )
-from providers.registry import unknown_options
+from providers.registry import duration_option, unknown_options
 
 PROVIDER_TYPE = "sim"
 _ID = re.compile(r"node-\d{4,}")
@@ -148,14 +148,10 @@ class SimProvider:
 
 
 def from_settings(instance: ProviderInstance, settings: Settings) -> SimProvider:
-    """The shepherd.providers entry point: options api_url (default the sim_api_url setting) and timeout (seconds)."""
+    """The shepherd.providers entry point: options api_url (default the sim_api_url setting) and timeout."""
     unknown_options(instance, ("api_url", "timeout"))
     api_url = instance.options.get("api_url", settings.sim_api_url)
-    timeout = instance.options.get("timeout", settings.provider_timeout)
     if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
         raise SettingsError("providers", f"instance {instance.name!r}: api_url must be an http(s) URL, got {api_url!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise SettingsError(
-            "providers", f"instance {instance.name!r}: timeout must be positive seconds, got {timeout!r}"
-        )
-    return SimProvider(api_url, name=instance.name, timeout=float(timeout))
+    timeout = duration_option(instance, "timeout", settings.provider_timeout)
+    return SimProvider(api_url, name=instance.name, timeout=timeout)

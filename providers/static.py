@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from foundation.settings import ProviderInstance, Settings, SettingsError, parse_duration
+from foundation.settings import ProviderInstance, Settings, SettingsError
 from providers import Availability, MachineNotFound, ProviderError, ProviderMachine
 from providers.redfish import PowerReport, RedfishEndpoint, RedfishPowerControl, RedfishTimeouts
-from providers.registry import unknown_options
+from providers.registry import duration_option, unknown_options
 
 log = logging.getLogger(__name__)
 
@@ -404,8 +404,8 @@ def from_settings(instance: ProviderInstance, settings: Settings) -> StaticProvi
     timeouts = RedfishTimeouts(
         connect=settings.provider_timeout,
         read=max(settings.provider_timeout, defaults.read),
-        graceful=_seconds(instance, "graceful_timeout", defaults.graceful),
-        power_back=_seconds(instance, "power_back_timeout", defaults.power_back),
+        graceful=duration_option(instance, "graceful_timeout", defaults.graceful),
+        power_back=duration_option(instance, "power_back_timeout", defaults.power_back),
     )
     # The longest reboot: the graceful shutdown ignored, then ForceOff and On each taking their longest.
     longest = timeouts.graceful + 2 * timeouts.power_back
@@ -418,15 +418,3 @@ def from_settings(instance: ProviderInstance, settings: Settings) -> StaticProvi
     return StaticProvider(
         instance.name, Path(inventory), power=lambda name, endpoint: RedfishPowerControl(name, endpoint, timeouts)
     )
-
-
-def _seconds(instance: ProviderInstance, option: str, default: float) -> float:
-    value = instance.options.get(option, default)
-    if isinstance(value, str):
-        try:
-            value = parse_duration(value)
-        except ValueError as error:
-            raise SettingsError("providers", f"instance {instance.name!r}: {option}: {error}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise SettingsError("providers", f"instance {instance.name!r}: {option} must be a positive duration")
-    return float(value)
