@@ -1,6 +1,7 @@
-"""The Shepherd worker: runs every workflow and activity on one task queue.
+"""The Shepherd worker: runs the workflows and the BMDB activities on the task queue, and each provider
+instance's activities on that instance's own queue.
 
-Start more of them on the same task queue to spread the load; Temporal hands
+Start more of them with the same settings to spread the load; Temporal hands
 each workflow and activity task to one of them.
 """
 
