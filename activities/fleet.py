@@ -13,7 +13,7 @@ from temporalio.service import RPCError
 
 from activities.deps import ActivityDeps, provider_errors
 from activities.workflow_start import start_machine_workflow
-from bmdb.store import ProvidedMachine, SilentMachine
+from bmdb.store import HeldRecoveries, ProvidedMachine, SilentMachine
 from lifecycle.contracts import (
     HEARTBEAT_LOST_SIGNAL,
     RUNNING_MACHINES,
@@ -23,17 +23,23 @@ from lifecycle.contracts import (
     HeartbeatLost,
     ReconcilePassInput,
     ReconcilePassPlan,
+    RecoveryHold,
     WatchdogInput,
+    WatchdogResult,
     machine_workflow_id,
 )
+from lifecycle.inputs import recovery_hold_rule
 from lifecycle.reconcile import plan_reconcile
 from lifecycle.takeover import key_fingerprint
+from lifecycle.watchdog import hold_reason, hold_threshold
 
 log = logging.getLogger(__name__)
 
 # How many disagreeing machines a pass names in its result; the event log and
 # the worker's log name them all.
 _DISAGREEMENTS_SHOWN = 20
+# How many silent machines a held pass names in its result and its event.
+_HELD_SAMPLE = 10
 # Temporal calls a pass makes at once: a start or a signal is a few milliseconds
 # of waiting on the server, so one at a time paces a pass that starts or signals
 # hundreds (after a worker outage, a fleet-wide network loss) to a dozen a second.
@@ -105,17 +111,68 @@ class FleetActivities:
         )
 
     @activity.defn
-    async def signal_silent_machines(self, input: WatchdogInput) -> list[str]:
-        """Tell the workflow of every machine whose agent went silent; one BMDB query a pass."""
-        silent = await self.deps.bmdb.silent_machines(
+    async def watch_silent_machines(self, input: WatchdogInput) -> WatchdogResult:
+        """Signal every machine whose agent went silent, unless so many are silent that the fault is more likely ours.
+
+        One BMDB query finds the silent; when the circuit breaker trips, none is signalled, the hold is recorded
+        (a fleet event when it begins) and stays until the silence ends or an operator releases it.
+        """
+        bmdb = self.deps.bmdb
+        as_of = datetime.fromisoformat(input.as_of)
+        silent = await bmdb.silent_machines(
             input.provider,
-            as_of=datetime.fromisoformat(input.as_of),
+            as_of=as_of,
             first_heartbeat_within=input.first_heartbeat_within,
             heartbeat_within=input.heartbeat_within,
         )
+        watched = await bmdb.watched_machines(input.provider)
+        last = watched.last_heartbeat_at
+        rule = input.hold_rule or recovery_hold_rule(self.deps.settings)
+        why = hold_reason(
+            rule,
+            silent=len(silent),
+            watched=watched.count,
+            last_heartbeat_age=None if last is None else (as_of - last).total_seconds(),
+            heartbeat_within=input.heartbeat_within,
+        )
+        hold = None
+        if why is None:
+            ended = await bmdb.end_recovery_hold(
+                input.provider, f"{len(silent)} of {watched.count} watched machines silent: recoveries go ahead"
+            )
+            if ended is not None:
+                log.warning("recoveries of provider %s resumed: %d machine(s) silent now", input.provider, len(silent))
+        else:
+            held, began = await bmdb.hold_recoveries(
+                input.provider,
+                reason=why,
+                silent_count=len(silent),
+                threshold=hold_threshold(rule, watched.count),
+                sample=[m.provider_id for m in silent[:_HELD_SAMPLE]],
+            )
+            hold = _hold_payload(held)
+            if not hold.released:
+                log.error(
+                    "recoveries of provider %s %s: %s; no machine signalled. Once the cause is known: "
+                    "shepherd fleet --release-recoveries --provider %s --reason ...",
+                    input.provider,
+                    "held" if began else f"still held (since {hold.since})",
+                    why,
+                    input.provider,
+                )
+                return WatchdogResult([], len(silent), watched.count, hold)
+            log.warning("recoveries of provider %s held (%s) but released by %s", input.provider, why, held.released_by)
+        signalled = await self._signal_silent(input.provider, silent)
+        return WatchdogResult(signalled, len(silent), watched.count, hold)
 
+    @activity.defn
+    async def signal_silent_machines(self, input: WatchdogInput) -> list[str]:
+        """watch_silent_machines as passes scheduled before the circuit breaker call it: whom it signalled."""
+        return (await self.watch_silent_machines(input)).signalled
+
+    async def _signal_silent(self, provider: str, silent: Sequence[SilentMachine]) -> list[str]:
         async def signal(machine: SilentMachine) -> str | None:
-            handle = self.deps.client.get_workflow_handle(machine_workflow_id(input.provider, machine.provider_id))
+            handle = self.deps.client.get_workflow_handle(machine_workflow_id(provider, machine.provider_id))
             try:
                 lost = HeartbeatLost(machine.cause(), key_fingerprint(machine.agent_public_key))
                 await handle.signal(HEARTBEAT_LOST_SIGNAL, lost)
@@ -161,3 +218,17 @@ class FleetActivities:
         missing = [m for m in in_bmdb if machine_workflow_id(input.provider, m.provider_id) not in running]
         started = [p for p in await each_at_most(missing, TEMPORAL_CALLS_IN_FLIGHT, start) if p is not None]
         return EnsureWorkflowsResult(machines=len(in_bmdb), started=started)
+
+
+def _hold_payload(held: HeldRecoveries) -> RecoveryHold:
+    return RecoveryHold(
+        provider=held.provider,
+        since=held.held_since.isoformat(),
+        reason=held.reason,
+        silent_count=held.silent_count,
+        threshold=held.threshold,
+        sample=held.sample,
+        released_at=held.released_at.isoformat() if held.released_at else None,
+        released_by=held.released_by,
+        release_reason=held.release_reason,
+    )

@@ -81,5 +81,22 @@ events = Table(
     Index("events_machine_at", "machine_id", "at"),
 )
 
+# The watchdog's circuit breaker: a row while a provider's recoveries are held (too many machines silent at
+# once, or no heartbeat from any machine), with the operator's release; deleted when the silence ends.
+recovery_holds = Table(
+    "recovery_holds",
+    metadata,
+    Column("provider", Text, primary_key=True),
+    Column("held_since", DateTime(timezone=True), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("silent_count", Integer, nullable=False),
+    Column("threshold", Integer, nullable=False),
+    Column("sample", Text, nullable=False, server_default=""),
+    Column("released_at", DateTime(timezone=True)),
+    Column("released_by", Text),
+    Column("release_reason", Text),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
 PROVIDED_STATUS_CREATING = "creating"
 PROVIDED_STATUS_PROVIDED = "provided"

@@ -26,6 +26,7 @@ from bmdb.schema import (
     machine_agent_started,
     machine_provided,
     machines,
+    recovery_holds,
 )
 from foundation.settings import redact_url
 
@@ -80,6 +81,31 @@ class SilentMachine:
         if self.agent_heartbeat_at is None:
             return f"no heartbeat since the agent started at {self.agent_started_at.isoformat(timespec='seconds')}"
         return f"last heartbeat at {self.agent_heartbeat_at.isoformat(timespec='seconds')}"
+
+
+@dataclass(frozen=True)
+class WatchedMachines:
+    """What the watchdog's circuit breaker weighs a pass's silent machines against."""
+
+    # The provider's machines with an agent started, and still listed by the provider.
+    count: int
+    # The newest heartbeat accepted from any machine of any provider; None when there is none.
+    last_heartbeat_at: datetime | None
+
+
+@dataclass(frozen=True)
+class HeldRecoveries:
+    """A provider whose recoveries the watchdog holds, as BMDB records it, with the operator's release if any."""
+
+    provider: str
+    held_since: datetime
+    reason: str
+    silent_count: int
+    threshold: int
+    sample: list[str]
+    released_at: datetime | None
+    released_by: str | None
+    release_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -437,6 +463,90 @@ class BMDB:
                 for r in await conn.execute(query)
             ]
 
+    async def watched_machines(self, provider: str) -> WatchedMachines:
+        """How many of the provider's machines have an agent to watch, and when BMDB last accepted a heartbeat."""
+        watched = (
+            select(func.count())
+            .select_from(
+                machine_provided.join(
+                    machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
+                )
+            )
+            .where(machine_provided.c.provider == provider, machine_provided.c.missing_since.is_(None))
+        )
+        async with self.engine.connect() as conn:
+            count = int(await conn.scalar(watched) or 0)
+            newest = await conn.scalar(select(func.max(machine_agent_heartbeat.c.agent_heartbeat_at)))
+            return WatchedMachines(count, newest)
+
+    async def hold_recoveries(
+        self, provider: str, *, reason: str, silent_count: int, threshold: int, sample: Sequence[str]
+    ) -> tuple[HeldRecoveries, bool]:
+        """Hold the provider's recoveries, or bring a standing hold's numbers up to date; True when newly held.
+
+        A new hold is a ``recoveries_held`` fleet event; a standing one keeps its start and its release.
+        """
+        values = {"reason": reason, "silent_count": silent_count, "threshold": threshold, "sample": ", ".join(sample)}
+        async with self.engine.begin() as conn:
+            standing = await conn.scalar(
+                select(recovery_holds.c.provider).where(recovery_holds.c.provider == provider).with_for_update()
+            )
+            if standing is None:
+                statement: Any = insert(recovery_holds).values(provider=provider, held_since=func.now(), **values)
+                detail = f"provider {provider}: {reason}; silent: {values['sample']}"
+                await conn.execute(insert(events).values(machine_id=None, kind="recoveries_held", detail=detail))
+            else:
+                statement = (
+                    update(recovery_holds)
+                    .where(recovery_holds.c.provider == provider)
+                    .values(updated_at=func.now(), **values)
+                )
+            row = (await conn.execute(statement.returning(*recovery_holds.c))).one()
+            return _held(row), standing is None
+
+    async def release_recoveries(self, provider: str, *, by: str, reason: str) -> tuple[HeldRecoveries | None, bool]:
+        """An operator lets the held recoveries go ahead until the silence ends: (the hold, True when released now).
+
+        (None, False) when the provider's recoveries are not held; an earlier release is kept as it was.
+        """
+        async with self.engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    update(recovery_holds)
+                    .where(recovery_holds.c.provider == provider, recovery_holds.c.released_at.is_(None))
+                    .values(released_at=func.now(), released_by=by, release_reason=reason, updated_at=func.now())
+                    .returning(*recovery_holds.c)
+                )
+            ).first()
+            if row is not None:
+                detail = f"provider {provider}: held recoveries released by {by}: {reason}"
+                await conn.execute(insert(events).values(machine_id=None, kind="recoveries_released", detail=detail))
+                return _held(row), True
+            row = (await conn.execute(select(recovery_holds).where(recovery_holds.c.provider == provider))).first()
+            return (None if row is None else _held(row)), False
+
+    async def end_recovery_hold(self, provider: str, detail: str) -> HeldRecoveries | None:
+        """The silence is over: drop the provider's hold with a ``recoveries_resumed`` event; the hold there was."""
+        async with self.engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    delete(recovery_holds).where(recovery_holds.c.provider == provider).returning(*recovery_holds.c)
+                )
+            ).first()
+            if row is not None:
+                await conn.execute(
+                    insert(events).values(
+                        machine_id=None, kind="recoveries_resumed", detail=f"provider {provider}: {detail}"
+                    )
+                )
+            return None if row is None else _held(row)
+
+    async def held_recoveries(self) -> list[HeldRecoveries]:
+        """Every provider whose recoveries are held, by provider name."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(recovery_holds).order_by(recovery_holds.c.provider))
+            return [_held(row) for row in rows]
+
     async def oldest_heartbeat_age(self) -> float | None:
         """Seconds since the oldest last heartbeat of a running agent; None when no agent has sent one."""
         query = select(func.max(func.extract("epoch", func.now() - machine_agent_heartbeat.c.agent_heartbeat_at)))
@@ -499,6 +609,20 @@ def first_line(error: BaseException) -> str:
     cause = getattr(error, "orig", None) or error
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     return lines[0] if lines else type(cause).__name__
+
+
+def _held(row: Any) -> HeldRecoveries:
+    return HeldRecoveries(
+        provider=row.provider,
+        held_since=row.held_since,
+        reason=row.reason,
+        silent_count=row.silent_count,
+        threshold=row.threshold,
+        sample=[p for p in row.sample.split(", ") if p],
+        released_at=row.released_at,
+        released_by=row.released_by,
+        release_reason=row.release_reason,
+    )
 
 
 def _agent_started(machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> Any:

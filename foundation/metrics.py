@@ -50,6 +50,7 @@ class WorkerMetrics:
     machines: MetricGauge
     heartbeat_age_max: MetricGaugeFloat
     machines_silent: MetricGauge
+    recoveries_held: MetricGauge
 
     @classmethod
     def on(cls, meter: MetricMeter) -> WorkerMetrics:
@@ -66,5 +67,9 @@ class WorkerMetrics:
             ),
             machines_silent=meter.create_gauge(
                 "shepherd_machines_silent", "Machines the watchdog rule finds silent right now, by provider instance"
+            ),
+            recoveries_held=meter.create_gauge(
+                "shepherd_recoveries_held",
+                "Silent machines the watchdog holds from recovery, by provider instance; alert when above 0",
             ),
         )

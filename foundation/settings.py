@@ -168,6 +168,14 @@ class Settings:
     first_heartbeat_timeout: float = _duration(1800.0, "Agent started this long ago without any heartbeat: recover")
     heartbeat_timeout: float = _duration(600.0, "Last heartbeat older than this: recover")
 
+    # Recovery safety: many machines silent at once is more likely our fault than theirs
+    recovery_hold_min_machines: int = _setting(
+        5, "Hold every recovery of a provider when more of its machines than this are silent at once"
+    )
+    recovery_hold_fraction: float = _setting(
+        0.1, "... or more than this fraction of its watched machines, whichever is larger"
+    )
+
     # Fleet reconciliation (the seed's Provisioner)
     max_machines: int = _setting(50, "Most machines brought under management; 0 for no limit")
     chunk_size: int = _setting(20, "Most machines created in one reconcile pass")
@@ -223,9 +231,13 @@ class Settings:
             ("max_concurrent_activities", 1),
             ("max_concurrent_workflow_tasks", 2),
             ("max_activities_per_second", 0),
+            ("recovery_hold_min_machines", 1),
         ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")
+        if not 0 < self.recovery_hold_fraction <= 1:
+            fraction = self.recovery_hold_fraction
+            raise SettingsError("recovery_hold_fraction", f"must be above 0 and at most 1, got {fraction}")
         if self.agent_start_backoff_maximum < self.agent_start_backoff_initial:
             raise SettingsError("agent_start_backoff_maximum", "must not be below agent_start_backoff_initial")
         if self.recovery_backoff_maximum < self.recovery_backoff_initial:

@@ -214,6 +214,15 @@ class RebootInput:
 
 
 @dataclass(frozen=True)
+class RecoveryHoldRule:
+    """When a watchdog pass holds every recovery of a provider instead of signalling the silent machines."""
+
+    # More silent machines than the larger of min_machines and fraction of the provider's watched machines.
+    min_machines: int
+    fraction: float
+
+
+@dataclass(frozen=True)
 class FleetInput:
     """Input of FleetWorkflow, the same for every pass the fleet schedule starts; made by lifecycle.inputs."""
 
@@ -225,6 +234,8 @@ class FleetInput:
     # or the last heartbeat older than heartbeat_within.
     first_heartbeat_within: float
     heartbeat_within: float
+    # None in passes scheduled before the hold existed: the worker's settings decide.
+    recovery_hold: RecoveryHoldRule | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +247,37 @@ class WatchdogInput:
     as_of: str
     first_heartbeat_within: float
     heartbeat_within: float
+    hold_rule: RecoveryHoldRule | None = None
+
+
+@dataclass
+class RecoveryHold:
+    """A provider's recoveries held by the watchdog: since when, why, and whether an operator let them go ahead."""
+
+    provider: str
+    since: str
+    reason: str
+    silent_count: int
+    threshold: int
+    # A few of the silent machines; the event log has the same.
+    sample: list[str]
+    released_at: str | None = None
+    released_by: str | None = None
+    release_reason: str | None = None
+
+    @property
+    def released(self) -> bool:
+        return self.released_at is not None
+
+
+@dataclass
+class WatchdogResult:
+    """What watch_silent_machines returns to FleetWorkflow: whom it signalled, and the hold that kept it from it."""
+
+    signalled: list[str]
+    silent_count: int
+    watched_count: int
+    hold: RecoveryHold | None = None
 
 
 @dataclass(frozen=True)
@@ -298,4 +340,6 @@ class FleetPassResult:
     workflows_started: int = 0
     # Machines whose workflows were told their agent went silent.
     silent: list[str] = field(default_factory=list)
+    # Set while the watchdog holds this provider's recoveries (silent machines left alone), or an operator released it.
+    recoveries_held: RecoveryHold | None = None
     error: str | None = None

@@ -7,7 +7,7 @@ so a run keeps the values it started with and the UI shows them.
 from __future__ import annotations
 
 from foundation.settings import Settings
-from lifecycle.contracts import Backoff, FleetInput, LifecyclePolicy, MachineInput
+from lifecycle.contracts import Backoff, FleetInput, LifecyclePolicy, MachineInput, RecoveryHoldRule
 
 
 def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
@@ -49,4 +49,10 @@ def fleet_input(settings: Settings, provider: str) -> FleetInput:
         device_creation_interval=settings.device_creation_interval,
         first_heartbeat_within=settings.first_heartbeat_timeout,
         heartbeat_within=settings.heartbeat_timeout,
+        recovery_hold=recovery_hold_rule(settings),
     )
+
+
+def recovery_hold_rule(settings: Settings) -> RecoveryHoldRule:
+    """When the watchdog holds a provider's recoveries rather than signalling its silent machines."""
+    return RecoveryHoldRule(min_machines=settings.recovery_hold_min_machines, fraction=settings.recovery_hold_fraction)

@@ -75,7 +75,12 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
             client,
             task_queue=settings.task_queue,
             workflows=[FleetWorkflow, MachineWorkflow],
-            activities=[fleet.admit_machine, fleet.ensure_machine_workflows, fleet.signal_silent_machines],
+            activities=[
+                fleet.admit_machine,
+                fleet.ensure_machine_workflows,
+                fleet.watch_silent_machines,
+                fleet.signal_silent_machines,
+            ],
             max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
             **common,
         )
@@ -162,7 +167,7 @@ async def _ensure_fleet_schedule(
 
 
 async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event) -> None:
-    """Keep this worker's fleet gauges current: machines per stage, heartbeat age, silent machines.
+    """Keep this worker's fleet gauges current: machines per stage, heartbeat age, silent and held machines.
 
     Every worker reports the same numbers; dashboards take the max over workers.
     """
@@ -182,6 +187,11 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
                     heartbeat_within=settings.heartbeat_timeout,
                 )
                 deps.metrics.machines_silent.set(len(silent), {"provider": instance.name})
+            held = {hold.provider: hold for hold in await deps.bmdb.held_recoveries()}
+            for instance in settings.provider_instances:
+                hold = held.get(instance.name)
+                count = hold.silent_count if hold is not None and hold.released_at is None else 0
+                deps.metrics.recoveries_held.set(count, {"provider": instance.name})
         except Exception as error:  # a gauge a little stale beats a worker that stops
             log.warning("fleet gauges not updated: %s", error)
         try:

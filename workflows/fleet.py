@@ -4,7 +4,9 @@ A pass decides from provider and BMDB listings which free capacity to bring
 under management (refusing when the two disagree), admits those machines at
 the device-creation rate, makes sure every managed machine has its
 MachineWorkflow running, and tells the workflows of machines whose agent went
-silent (the watchdog: one BMDB query a pass, no per-machine polling).
+silent (the watchdog: one BMDB query a pass, no per-machine polling), unless
+so many are silent at once that the fault is more likely ours: then it holds
+every recovery of the provider (lifecycle.watchdog).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ with workflow.unsafe.imports_passed_through():
     )
 
 _LISTING_TIMEOUT = timedelta(minutes=5)
+# Passes recorded before the watchdog's circuit breaker called signal_silent_machines.
+_CIRCUIT_BREAKER = "recovery-circuit-breaker"
 _RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=5)
 
 
@@ -74,18 +78,31 @@ class FleetWorkflow:
                 retry_policy=_RETRY,
             )
             result.workflows_started = len(ensured.started)
-            result.silent = await workflow.execute_activity_method(
-                FleetActivities.signal_silent_machines,
-                WatchdogInput(
-                    provider=input.provider,
-                    as_of=workflow.now().isoformat(),
-                    first_heartbeat_within=input.first_heartbeat_within,
-                    heartbeat_within=input.heartbeat_within,
-                ),
-                summary="find machines whose agent went silent and signal heartbeat_lost to them",
-                start_to_close_timeout=_LISTING_TIMEOUT,
-                retry_policy=_RETRY,
+            watchdog = WatchdogInput(
+                provider=input.provider,
+                as_of=workflow.now().isoformat(),
+                first_heartbeat_within=input.first_heartbeat_within,
+                heartbeat_within=input.heartbeat_within,
+                hold_rule=input.recovery_hold,
             )
+            if workflow.patched(_CIRCUIT_BREAKER):
+                watched = await workflow.execute_activity_method(
+                    FleetActivities.watch_silent_machines,
+                    watchdog,
+                    summary="find machines whose agent went silent and signal heartbeat_lost, unless too many are",
+                    start_to_close_timeout=_LISTING_TIMEOUT,
+                    retry_policy=_RETRY,
+                )
+                result.silent = watched.signalled
+                result.recoveries_held = watched.hold
+            else:
+                result.silent = await workflow.execute_activity_method(
+                    FleetActivities.signal_silent_machines,
+                    watchdog,
+                    summary="find machines whose agent went silent and signal heartbeat_lost to them",
+                    start_to_close_timeout=_LISTING_TIMEOUT,
+                    retry_policy=_RETRY,
+                )
         except ActivityError as error:
             result.error = describe_failure(error)
             self._count_pass("failed")

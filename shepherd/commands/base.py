@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -90,6 +92,27 @@ def reason_arg(text: str) -> str:
         return check_reason(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def operator() -> str:
+    """Who runs this command, for the record of an operator action: user@host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid, in a bare container
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def add_by(parser: argparse.ArgumentParser) -> None:
+    """--by: who asked, recorded with the action; the default is the user and host running the command."""
+    parser.add_argument("--by", type=_by_arg, help="who asks, recorded with the action (default: user@host)")
+
+
+def _by_arg(text: str) -> str:
+    by = text.strip()
+    if not by or len(by) > 100:
+        raise argparse.ArgumentTypeError(f"--by names who asks, in 1 to 100 characters; got {text!r}")
+    return by
 
 
 def show(

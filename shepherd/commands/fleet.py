@@ -14,10 +14,22 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import FLEET_WORKFLOW_TYPE, fleet_schedule_id
-from shepherd.commands.base import CommandError, Subcommands, UsageError, add_common, positive_int, show
+from shepherd.commands.base import (
+    CommandError,
+    Subcommands,
+    UsageError,
+    add_by,
+    add_common,
+    operator,
+    positive_int,
+    reason_arg,
+    show,
+    with_bmdb,
+)
 
 
 class FleetError(Exception):
@@ -127,6 +139,51 @@ def _failed_pass(started_at: datetime | None, failure: WorkflowFailureError) -> 
     return FleetPass(started_at, type(cause).__name__.lower() if cause else "failed", result, str(cause or failure))
 
 
+async def release_recoveries(bmdb: BMDB, providers: Sequence[str], by: str, reason: str) -> list[str]:
+    """Let each provider's held recoveries go ahead until its silence ends; a line for the operator each."""
+    lines = []
+    for provider in providers:
+        hold, released = await bmdb.release_recoveries(provider, by=by, reason=reason)
+        if hold is None:
+            lines.append(f"provider {provider}: no recoveries are held")
+        elif released:
+            lines.append(
+                f"provider {provider}: released the recoveries held since {_clock(hold.held_since)} "
+                f"({hold.silent_count} machines silent): the next pass signals them"
+            )
+        else:
+            lines.append(
+                f"provider {provider}: already released by {hold.released_by} at {_clock(hold.released_at)}: "
+                f"{hold.release_reason}"
+            )
+    return lines
+
+
+def held_lines(passes: list[FleetPass]) -> list[str]:
+    """What the newest pass with a result says of held recoveries; nothing when none are held."""
+    newest = next((p.result for p in passes if p.result), {})
+    hold = newest.get("recoveries_held")
+    if not hold:
+        return []
+    lines = textwrap.wrap(
+        f"RECOVERIES HELD since {hold['since'][:19].replace('T', ' ')}: {hold['reason']}",
+        80,
+        subsequent_indent="  ",
+    )
+    lines += textwrap.wrap(
+        ", ".join(hold["sample"]) + (" ..." if hold["silent_count"] > len(hold["sample"]) else ""),
+        80,
+        initial_indent="  silent: ",
+        subsequent_indent="          ",
+    )
+    if hold.get("released_at"):
+        lines.append(f"  released by {hold['released_by']}: {hold['release_reason']}")
+    else:
+        lines.append(f"  once the cause is known: shepherd fleet --release-recoveries --provider {hold['provider']} \\")
+        lines.append('      --reason "..."')
+    return lines
+
+
 def _clock(at: datetime | None) -> str:
     return at.strftime("%Y-%m-%d %H:%M:%S") if at else "-"
 
@@ -167,10 +224,14 @@ async def print_fleet(
     passes: int = 5,
     as_json: bool = False,
     out: TextIO | None = None,
+    told: Sequence[str] = (),
 ) -> int:
-    """Apply the action to each provider's schedule, then show each schedule and its last passes."""
+    """Apply the action to each provider's schedule, then show each schedule, held recoveries and its last passes.
+
+    told: lines about what was done before (released recoveries), printed first.
+    """
     documents: list[dict[str, Any]] = []
-    lines: list[str] = []
+    lines: list[str] = [*told]
     for provider in providers:
         done = await apply(client, provider, action)
         line, facts = await schedule_line(client, provider)
@@ -184,8 +245,15 @@ async def print_fleet(
             }
             for p in recent
         ]
-        documents.append({"provider": provider, "schedule": facts, "passes": rows})
-        lines += [*([""] if lines else []), *([done] if done else []), line, *format_passes(recent)]
+        held = next((p.result.get("recoveries_held") for p in recent if p.result), None)
+        documents.append({"provider": provider, "schedule": facts, "recoveries_held": held, "passes": rows})
+        lines += [
+            *([""] if lines else []),
+            *([done] if done else []),
+            line,
+            *held_lines(recent),
+            *format_passes(recent),
+        ]
     return show(out, as_json, lambda: {"providers": documents}, lambda: lines)
 
 
@@ -196,7 +264,14 @@ def register(commands: Subcommands) -> None:
     change.add_argument("--pause", action="store_true", help="stop scheduling passes (machines keep their workflows)")
     change.add_argument("--resume", action="store_true", help="schedule passes again")
     change.add_argument("--trigger", action="store_true", help="run a pass now")
+    change.add_argument(
+        "--release-recoveries",
+        action="store_true",
+        help="let the recoveries the watchdog holds go ahead, until the silence ends (needs --reason)",
+    )
     parser.add_argument("--note", default="", help="why, kept with the schedule's state (with --pause/--resume)")
+    parser.add_argument("--reason", type=reason_arg, help="why the held recoveries may go ahead, for the record")
+    add_by(parser)
     parser.add_argument("--provider", help="only this provider instance's schedule (default: every one)")
     parser.add_argument(
         "--passes", type=positive_int, default=5, help="how many recent passes to show (default %(default)s)"
@@ -208,16 +283,31 @@ def register(commands: Subcommands) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     if args.note and not (args.pause or args.resume):
         raise UsageError("--note goes with --pause or --resume")
+    if args.release_recoveries and args.reason is None:
+        raise UsageError("--release-recoveries needs --reason: why the held recoveries may go ahead")
+    if (args.reason is not None or args.by is not None) and not args.release_recoveries:
+        raise UsageError("--reason and --by go with --release-recoveries")
     action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note)
     providers = [instance.name for instance in settings.provider_instances]
     if args.provider is not None:
         providers = [settings.provider_instance(args.provider).name]
 
-    async def show() -> int:
-        client = await connect_temporal(settings)
-        return await print_fleet(client, providers, action, passes=args.passes, as_json=args.json)
+    async def show(client: Client, told: Sequence[str] = ()) -> int:
+        return await print_fleet(client, providers, action, passes=args.passes, as_json=args.json, told=told)
 
+    async def release(client: Client, bmdb: BMDB) -> int:
+        return await show(client, await release_recoveries(bmdb, providers, args.by or operator(), args.reason))
+
+    async def connected() -> Client:
+        return await connect_temporal(settings)
+
+    async def show_only() -> int:
+        return await show(await connected())
+
+    if args.release_recoveries:
+        # BMDB is opened only to release: pausing must work while BMDB is down.
+        return with_bmdb(settings, connected, release, FleetError)
     try:
-        return asyncio.run(show())
+        return asyncio.run(show_only())
     except FleetError as error:
         raise CommandError(str(error)) from None

@@ -1,0 +1,187 @@
+"""The watchdog's circuit breaker: many machines silent at once, or no heartbeat at all, holds every recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from bmdb.store import BMDB
+from foundation.settings import Settings, SettingsError
+from lifecycle.contracts import MachineStage, RecoveryHoldRule
+from lifecycle.watchdog import hold_reason, hold_threshold
+from processes.worker import ensure_fleet_schedules
+from shepherd.commands.fleet import FleetAction, print_fleet
+from tests.fleet_stack import fleet_stack
+from tests.test_fleet import sim_admin
+from tests.test_recovery import wait_for
+
+RULE = RecoveryHoldRule(min_machines=5, fraction=0.1)
+WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
+
+
+def test_threshold_is_the_larger_of_the_count_and_the_fraction():
+    assert hold_threshold(RULE, 0) == 5
+    assert hold_threshold(RULE, 50) == 5
+    assert hold_threshold(RULE, 51) == 6
+    assert hold_threshold(RULE, 100_000) == 10_000
+
+
+@pytest.mark.parametrize(
+    ("silent", "watched", "age", "held"),
+    [
+        (0, 20, None, None),  # nothing silent: nothing to hold, whatever the heartbeat path
+        (5, 20, 1.0, None),  # at the threshold: recover
+        (6, 20, 1.0, "6 of 20 watched machines silent at once, more than 5"),
+        (20, 20, 1.0, "20 of 20 watched machines silent at once"),
+        (10, 100, 1.0, None),
+        (11, 100, 1.0, "11 of 100 watched machines silent at once, more than 10"),
+        (1, 20, 700.0, "no heartbeat accepted from any machine for 700s (more than 600s)"),
+        (1, 1, None, "no heartbeat accepted from any machine yet"),
+    ],
+)
+def test_hold_reason(silent: int, watched: int, age: float | None, held: str | None):
+    reason = hold_reason(RULE, silent=silent, watched=watched, last_heartbeat_age=age, heartbeat_within=600.0)
+    assert (reason is None) == (held is None), reason
+    if held is not None:
+        assert reason is not None and reason.startswith(held)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("recovery_hold_min_machines", 0), ("recovery_hold_fraction", 0.0), ("recovery_hold_fraction", 1.5)],
+)
+def test_hold_settings_are_checked(name: str, value: Any):
+    with pytest.raises(SettingsError, match=name):
+        Settings(**{name: value}).check()
+    with pytest.raises(SettingsError, match="recovery_hold_fraction"):
+        Settings(recovery_hold_fraction=float("nan")).check()
+
+
+async def test_a_hold_begins_once_is_released_once_and_ends_with_the_silence(bmdb: BMDB):
+    assert await bmdb.held_recoveries() == []
+    assert await bmdb.release_recoveries("sim", by="alice", reason="x") == (None, False)
+
+    held, began = await bmdb.hold_recoveries("sim", reason="20 silent", silent_count=20, threshold=5, sample=["a", "b"])
+    assert began and held.sample == ["a", "b"] and held.released_at is None
+    again, began = await bmdb.hold_recoveries("sim", reason="21 silent", silent_count=21, threshold=5, sample=["a"])
+    assert not began and again.held_since == held.held_since and again.silent_count == 21
+
+    released, now = await bmdb.release_recoveries("sim", by="alice@ops", reason="the rack lost power")
+    assert now and released is not None and released.released_by == "alice@ops"
+    kept, now = await bmdb.release_recoveries("sim", by="bob", reason="me too")
+    assert not now and kept is not None and kept.released_by == "alice@ops"
+    # A pass that still finds too many silent keeps the release.
+    still, _ = await bmdb.hold_recoveries("sim", reason="19 silent", silent_count=19, threshold=5, sample=["a"])
+    assert still.released_by == "alice@ops"
+
+    assert (await bmdb.end_recovery_hold("sim", "2 silent")) is not None
+    assert await bmdb.end_recovery_hold("sim", "0 silent") is None
+    assert await bmdb.held_recoveries() == []
+    kinds = [(e.kind, e.detail) for e in reversed(await bmdb.list_events(None))]
+    assert kinds == [
+        ("recoveries_held", "provider sim: 20 silent; silent: a, b"),
+        ("recoveries_released", "provider sim: held recoveries released by alice@ops: the rack lost power"),
+        ("recoveries_resumed", "provider sim: 2 silent"),
+    ]
+
+
+async def test_watched_machines_count_agents_and_the_newest_heartbeat(bmdb: BMDB):
+    assert (await bmdb.watched_machines("sim")).count == 0
+    now = datetime.now(UTC)
+    first, _ = await bmdb.admit_machine("sim", "a")
+    second, _ = await bmdb.admit_machine("sim", "b")
+    await bmdb.admit_machine("sim", "c")  # no agent: not watched
+    for machine_id in (first, second):
+        await bmdb.record_agent_started(machine_id, now, machine_id.bytes * 2)
+    assert (await bmdb.watched_machines("sim")).last_heartbeat_at is None
+    assert await bmdb.record_heartbeat(first, first.bytes * 2, now - timedelta(seconds=5))
+    watched = await bmdb.watched_machines("sim")
+    assert watched.count == 2 and watched.last_heartbeat_at is not None
+    assert (await bmdb.watched_machines("other")).count == 0
+
+
+async def test_many_silent_machines_are_held_until_an_operator_releases_them(
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+):
+    # One machine silent is a machine's fault; two of three are more than the rule allows here.
+    settings = {**WATCH, "recovery_hold_min_machines": 1, "recovery_hold_fraction": 0.1}
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=3, heartbeats=True, **settings) as stack:
+        await stack.run_pass()
+        everyone = ["node-0001", "node-0002", "node-0003"]
+        await stack.wait_for_stage(everyone, MachineStage.WATCHING)
+        for provider_id in ("node-0001", "node-0002"):
+            assert (await sim_admin(stack, f"/admin/machines/{provider_id}/kill-agent", {}))["killed"] >= 1
+        await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+
+        held = await stack.run_pass()
+        assert held.silent == []
+        hold = held.recoveries_held
+        assert hold is not None and not hold.released
+        assert (hold.silent_count, hold.threshold, hold.sample) == (2, 1, ["node-0001", "node-0002"])
+        assert hold.reason.startswith("2 of 3 watched machines silent at once, more than 1")
+        # A second pass holds again, and records no second event.
+        assert (await stack.run_pass()).recoveries_held is not None
+        assert [e.kind for e in await bmdb.list_events(None)] == ["recoveries_held"]
+        for provider_id in everyone:
+            status = await stack.status(provider_id)
+            assert (status.stage, status.recovery_count, status.recovery_requested) == (MachineStage.WATCHING, 0, None)
+
+        await ensure_fleet_schedules(stack.client, stack.settings)
+        out = io.StringIO()
+        await print_fleet(stack.client, ["sim"], FleetAction(), out=out)
+        shown = out.getvalue()
+        assert "RECOVERIES HELD since" in shown and "silent: node-0001, node-0002" in shown
+        assert "shepherd fleet --release-recoveries --provider sim" in shown
+
+        environment = stack.environment(bmdb_url)
+        with pytest.raises(SystemExit) as usage:
+            await shepherd_cli(environment, "fleet", "--release-recoveries")
+        assert usage.value.code == 2
+        code, out_text, err = await shepherd_cli(
+            environment, "fleet", "--release-recoveries", "--reason", "two agents really died", "--by", "alice"
+        )
+        assert code == 0, err
+        assert out_text.startswith("provider sim: released the recoveries held since"), out_text
+
+        released = await stack.run_pass()
+        assert released.silent == ["node-0001", "node-0002"]
+        assert released.recoveries_held is not None and released.recoveries_held.released_by == "alice"
+
+        async def recovered() -> bool:
+            statuses = [await stack.status(p) for p in ("node-0001", "node-0002")]
+            return all(s.recovery_count == 1 and s.stage is MachineStage.WATCHING for s in statuses)
+
+        await wait_for(recovered, limit=60, what="recovery of the released machines")
+        assert (await stack.status("node-0003")).recovery_count == 0
+
+        # Back under the threshold: the hold ends, and the next surge is held afresh.
+        async def heartbeating_again() -> bool:
+            return (await stack.run_pass()).recoveries_held is None
+
+        await wait_for(heartbeating_again, limit=30, what="the hold to end")
+        kinds = [e.kind for e in await bmdb.list_events(None)]
+        assert kinds == ["recoveries_resumed", "recoveries_released", "recoveries_held"]
+        code, out_text, err = await shepherd_cli(environment, "fleet", "--json")
+        assert code == 0, err
+        assert json.loads(out_text)["providers"][0]["recoveries_held"] is None
+
+
+async def test_no_heartbeat_from_any_machine_holds_even_a_few_silent_ones(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **WATCH) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+        for provider_id in ("node-0001", "node-0002"):
+            assert (await sim_admin(stack, f"/admin/machines/{provider_id}/kill-agent", {}))["killed"] >= 1
+        await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+
+        result = await stack.run_pass()
+        assert result.silent == []
+        assert result.recoveries_held is not None
+        assert "no heartbeat accepted from any machine for" in result.recoveries_held.reason
+        for provider_id in ("node-0001", "node-0002"):
+            assert (await stack.status(provider_id)).recovery_requested is None
