@@ -1,38 +1,101 @@
-"""RECOVERING: reboot the machine through its provider and forget its agent."""
+"""RECOVERING: reboot the machine through its provider once per recovery cycle, record it, wait for the boot."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 from temporalio import activity
 
 from activities.deps import ActivityDeps, provider_errors
-from lifecycle.contracts import RebootInput
+from lifecycle.contracts import BootWaitInput, BootWaitResult, RebootInput, RebootResult
+from lifecycle.takeover import ssh_answers
 
 log = logging.getLogger(__name__)
 
+# How often a rebooted machine's SSH port is tried while it boots.
+BOOT_POLL_SECONDS = 2.0
+
 
 class RecoveryActivities:
-    """Side effects of RECOVERING: reboot the machine through its provider and forget its agent in BMDB."""
+    """Side effects of RECOVERING: the provider's reboot, its record in BMDB, and the wait until the machine is back."""
 
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
 
     @activity.defn
-    async def reboot_machine(self, input: RebootInput) -> None:
-        """Power-cycle the machine, then delete its agent-started and heartbeat records.
+    async def reboot_through_provider(self, input: RebootInput) -> RebootResult:
+        """Power-cycle the machine through its provider, unless this recovery cycle's reboot is recorded already.
 
-        Run twice, it reboots twice: harmless for a machine being recovered,
-        and the records are deleted either way.
+        Nothing is written here after the provider's call, so a BMDB blip cannot make a retry reboot again:
+        record_reboot, a step of its own, writes the record.
         """
-        cause = input.cause.partition(":")[0].replace(" ", "_")  # heartbeat_lost or forced
+        if await self.deps.bmdb.reboot_recorded(uuid.UUID(input.machine_id), input.cycle):
+            log.info(
+                "%s machine %s: recovery cycle %s rebooted it already", input.provider, input.provider_id, input.cycle
+            )
+            return RebootResult(went_down=True, detail=f"rebooted already in recovery cycle {input.cycle}")
+        cause = _cause_label(input.cause)
         try:
             async with provider_errors():
-                await self.deps.provider(input.provider).reboot_machine(input.provider_id)
+                rebooted = await self.deps.provider(input.provider).reboot_machine(input.provider_id)
         except Exception:
             self.deps.metrics.reboots.add(1, {"cause": cause, "outcome": "error"})
             raise
         self.deps.metrics.reboots.add(1, {"cause": cause, "outcome": "ok"})
+        log.info("rebooted %s machine %s: %s (%s)", input.provider, input.provider_id, input.cause, rebooted.detail)
+        return RebootResult(went_down=rebooted.went_down, detail=rebooted.detail)
+
+    @activity.defn
+    async def record_reboot(self, input: RebootInput) -> None:
+        """Record the cycle's reboot and forget the machine's agent and heartbeats; a repeat changes nothing."""
+        if not await self.deps.bmdb.record_reboot(uuid.UUID(input.machine_id), input.cycle, f"rebooted: {input.cause}"):
+            log.info(
+                "%s machine %s: reboot of cycle %s was recorded already", input.provider, input.provider_id, input.cycle
+            )
+
+    @activity.defn
+    async def wait_for_boot(self, input: BootWaitInput) -> BootWaitResult:
+        """Wait until the rebooted machine answers SSH again, at most the boot deadline from the first attempt.
+
+        A machine the provider did not see go down must first stop answering, or its old boot would count.
+        Heartbeats carry what was seen, so a retry on another worker goes on where this one stopped.
+        """
+        info = activity.info()
+        deadline = input.deadline if input.deadline is not None else self.deps.settings.boot_deadline
+        until = info.scheduled_time + timedelta(seconds=deadline)
+        seen_down = input.went_down or bool(info.heartbeat_details and info.heartbeat_details[0])
+        async with provider_errors():
+            machine = await self.deps.provider(input.provider).get_machine(input.provider_id)
+        if machine.address is None:
+            return BootWaitResult(False, 0.0, f"{input.provider} lists no address for {input.provider_id}")
+        started = time.monotonic()
+        timeout = self.deps.settings.ssh_connect_timeout
+        while datetime.now(UTC) < until:
+            answers = await ssh_answers(machine.address, machine.ssh_port, timeout)
+            if answers and seen_down:
+                waited = time.monotonic() - started
+                return BootWaitResult(True, waited, f"SSH at {machine.address}:{machine.ssh_port} answers again")
+            seen_down = seen_down or not answers
+            activity.heartbeat(seen_down)
+            await asyncio.sleep(BOOT_POLL_SECONDS)
+        said = "did not answer again" if seen_down else "never went away (the reboot was not seen)"
+        return BootWaitResult(
+            False,
+            time.monotonic() - started,
+            f"SSH at {machine.address}:{machine.ssh_port} {said} within {deadline:g}s",
+        )
+
+    @activity.defn
+    async def reboot_machine(self, input: RebootInput) -> None:
+        """Reboot and record in one step, as recoveries begun before the split run it; run twice, it reboots twice."""
+        await self.reboot_through_provider(input)
         await self.deps.bmdb.forget_agent(uuid.UUID(input.machine_id), f"rebooted: {input.cause}")
-        log.info("rebooted %s machine %s: %s", input.provider, input.provider_id, input.cause)
+
+
+def _cause_label(cause: str) -> str:
+    """The metric label of a recovery's reason: heartbeat_lost or forced."""
+    return cause.partition(":")[0].replace(" ", "_")

@@ -81,6 +81,22 @@ events = Table(
     Index("events_machine_at", "machine_id", "at"),
 )
 
+# Every recovery reboot, keyed by the recovery cycle (the machine workflow's run) it belongs to, so a cycle
+# that is retried after its reboot was done does not reboot again.
+recovery_reboots = Table(
+    "recovery_reboots",
+    metadata,
+    Column(
+        "machine_id",
+        UUID(as_uuid=True),
+        ForeignKey("machines.machine_id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("cycle", Text, primary_key=True),
+    Column("rebooted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("cause", Text, nullable=False),
+)
+
 # The watchdog's circuit breaker: a row while a provider's recoveries are held (too many machines silent at
 # once, or no heartbeat from any machine), with the operator's release; deleted when the silence ends.
 recovery_holds = Table(

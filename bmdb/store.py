@@ -27,6 +27,7 @@ from bmdb.schema import (
     machine_provided,
     machines,
     recovery_holds,
+    recovery_reboots,
 )
 from foundation.settings import redact_url
 
@@ -557,11 +558,32 @@ class BMDB:
     async def forget_agent(self, machine_id: uuid.UUID, cause: str) -> None:
         """Delete the agent-started and heartbeat records after a reboot, logging the cause."""
         async with self.engine.begin() as conn:
-            await conn.execute(
-                delete(machine_agent_heartbeat).where(machine_agent_heartbeat.c.machine_id == machine_id)
+            await _forget_agent(conn, machine_id, cause)
+
+    async def record_reboot(self, machine_id: uuid.UUID, cycle: str, cause: str) -> bool:
+        """Record the recovery cycle's reboot and forget the machine's agent, in one transaction.
+
+        False when the cycle's reboot was recorded before (a retry whose first answer was lost): nothing changes.
+        """
+        async with self.engine.begin() as conn:
+            recorded = await conn.execute(
+                pg_insert(recovery_reboots)
+                .values(machine_id=machine_id, cycle=cycle, cause=cause)
+                .on_conflict_do_nothing()
+                .returning(recovery_reboots.c.cycle)
             )
-            await conn.execute(delete(machine_agent_started).where(machine_agent_started.c.machine_id == machine_id))
-            await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
+            if recorded.first() is None:
+                return False
+            await _forget_agent(conn, machine_id, cause)
+            return True
+
+    async def reboot_recorded(self, machine_id: uuid.UUID, cycle: str) -> bool:
+        """Whether the recovery cycle's reboot was done and recorded."""
+        query = select(recovery_reboots.c.cycle).where(
+            recovery_reboots.c.machine_id == machine_id, recovery_reboots.c.cycle == cycle
+        )
+        async with self.engine.connect() as conn:
+            return await conn.scalar(query) is not None
 
     async def recovery_counts(self, machine_id: uuid.UUID | None = None) -> dict[uuid.UUID, int]:
         """Machine id -> how many times it was rebooted by a recovery, for machines rebooted at least once.
@@ -623,6 +645,12 @@ def _held(row: Any) -> HeldRecoveries:
         released_by=row.released_by,
         release_reason=row.release_reason,
     )
+
+
+async def _forget_agent(conn: Any, machine_id: uuid.UUID, cause: str) -> None:
+    await conn.execute(delete(machine_agent_heartbeat).where(machine_agent_heartbeat.c.machine_id == machine_id))
+    await conn.execute(delete(machine_agent_started).where(machine_agent_started.c.machine_id == machine_id))
+    await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
 
 
 def _agent_started(machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> Any:

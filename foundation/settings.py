@@ -131,6 +131,9 @@ class Settings:
     sim_api_url: str = _setting("http://127.0.0.1:8800", "Base URL of the simulator's provider API")
     provider_timeout: float = _duration(10.0, "Timeout of one provider API call")
     reboot_timeout: float = _duration(600.0, "Longest one reboot may take through a provider or BMC, confirmed")
+    boot_deadline: float = _duration(
+        900.0, "After a recovery reboot, how long the machine may take to answer SSH before takeovers are tried"
+    )
 
     # SSH and the agent
     ssh_key_path: Path | None = _setting(None, "Shepherd's ed25519 SSH key; unset: state_dir/ssh_key")

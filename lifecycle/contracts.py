@@ -118,6 +118,9 @@ class LifecyclePolicy:
     provision_timeout: float
     agent_start_timeout: float
     recovery_timeout: float
+    # How long a rebooted machine may take to answer SSH; None in workflows started before the wait existed,
+    # which take the worker's setting.
+    boot_deadline: float | None = None
 
 
 # --- MachineWorkflow -----------------------------------------------------------
@@ -169,6 +172,8 @@ class MachineStatus:
     recovery_requested: str | None = None
     # Recovery requests that arrived while one was pending or running.
     recovery_requests_coalesced: int = 0
+    # Since when the workflow waits for the rebooted machine to answer SSH.
+    waiting_for_boot_since: str | None = None
 
 
 @dataclass(frozen=True)
@@ -202,12 +207,44 @@ class StartAgentInput:
 
 @dataclass(frozen=True)
 class RebootInput:
-    """Input of the reboot_machine activity, from MachineWorkflow's RECOVERING step; cause is the recovery's reason."""
+    """Input of the reboot activities, from MachineWorkflow's RECOVERING step; cause is the recovery's reason."""
 
     provider: str
     provider_id: str
     machine_id: str
     cause: str
+    # The recovery cycle (the workflow run) the reboot belongs to: a cycle reboots once.
+    cycle: str = ""
+
+
+@dataclass(frozen=True)
+class RebootResult:
+    """What reboot_through_provider returns: whether the provider saw the machine go down, and what it did."""
+
+    went_down: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class BootWaitInput:
+    """Input of the wait_for_boot activity, from MachineWorkflow after a recovery reboot."""
+
+    provider: str
+    provider_id: str
+    machine_id: str
+    # The provider saw the machine down: SSH answering is the new boot. Else SSH must go away first.
+    went_down: bool
+    # Seconds from the first attempt; None: the worker's boot_deadline setting.
+    deadline: float | None
+
+
+@dataclass(frozen=True)
+class BootWaitResult:
+    """What wait_for_boot returns: whether SSH answered again within the deadline, after how long, and what it saw."""
+
+    came_back: bool
+    waited: float
+    detail: str
 
 
 # --- FleetWorkflow -------------------------------------------------------------

@@ -30,6 +30,7 @@ def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
         provision_timeout=3 * settings.provider_timeout + 30,
         agent_start_timeout=settings.provider_timeout + settings.ssh_connect_timeout + settings.ssh_exec_timeout + 30,
         recovery_timeout=settings.reboot_timeout + 30,
+        boot_deadline=settings.boot_deadline,
     )
 
 

@@ -221,6 +221,22 @@ async def probe_ssh(target: TakeoverTarget, client_key: asyncssh.SSHKey, connect
         await _close(connection, connect_timeout)
 
 
+async def ssh_answers(address: str, port: int, within: float) -> bool:
+    """Whether an SSH server answers at address:port: it accepts a connection and sends its version line.
+
+    Cheaper than a login, and enough to tell a machine that has booted from one that is down or booting.
+    """
+    try:
+        async with asyncio.timeout(within):
+            reader, writer = await asyncio.open_connection(address, port)
+            try:
+                return (await reader.readline()).startswith(b"SSH-")
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+        return False
+
+
 def key_fingerprint(public_key: bytes) -> str:
     """OpenSSH-style SHA256 fingerprint of a raw ed25519 public key."""
     digest = base64.b64encode(hashlib.sha256(public_key).digest()).decode().rstrip("=")

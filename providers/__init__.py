@@ -40,6 +40,16 @@ class ProviderMachine:
     ssh_user: str | None = None
 
 
+@dataclass(frozen=True)
+class Rebooted:
+    """What a provider knows of a reboot it has done, for the wait until the machine is back."""
+
+    # The provider saw the machine go down (its power read back off, or its API says it is booting), so SSH that
+    # answers afterwards is the new boot. False: Shepherd first waits for SSH to go away, then to answer again.
+    went_down: bool
+    detail: str = ""
+
+
 class ProviderError(Exception):
     """A provider call failed. ``retryable`` says whether trying again may help."""
 
@@ -108,8 +118,8 @@ class Provider(Protocol):
         """
         ...
 
-    async def reboot_machine(self, provider_id: str) -> None:
-        """Power-cycle the machine."""
+    async def reboot_machine(self, provider_id: str) -> Rebooted:
+        """Power-cycle the machine; return once the provider has done it, saying whether it saw the machine down."""
         ...
 
     async def close(self) -> None:

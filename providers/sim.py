@@ -20,6 +20,7 @@ from providers import (
     ProviderMachine,
     ProviderProtocolError,
     ProviderUnavailable,
+    Rebooted,
 )
 from providers.registry import duration_option, unknown_options
 
@@ -138,13 +139,15 @@ class SimProvider:
             raise self._unexpected(where, status, payload)
         return parse_machine(payload, where, self.name)
 
-    async def reboot_machine(self, provider_id: str) -> None:
+    async def reboot_machine(self, provider_id: str) -> Rebooted:
         where = f"reboot machine {provider_id}"
         status, payload = await self._request(where, "POST", f"/v1/machines/{provider_id}/reboot")
         if status == 404:
             raise MachineNotFound(self.name, provider_id)
         if status != 202:
             raise self._unexpected(where, status, payload)
+        # The simulator answers once the machine's SSH is down for the boot.
+        return Rebooted(went_down=True, detail="the simulator took SSH down for the boot")
 
 
 def from_settings(instance: ProviderInstance, settings: Settings) -> SimProvider:

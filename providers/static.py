@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from foundation.settings import ProviderInstance, Settings, SettingsError
-from providers import Availability, MachineNotFound, ProviderError, ProviderMachine
+from providers import Availability, MachineNotFound, ProviderError, ProviderMachine, Rebooted
 from providers.redfish import PowerReport, RedfishEndpoint, RedfishPowerControl, RedfishTimeouts
 from providers.registry import duration_option, unknown_options
 
@@ -372,7 +372,7 @@ class StaticProvider:
         # Nothing to create: the operator owns the machine and has put Shepherd's key in authorized_keys.
         return self._listed(provider_id).provider_machine()
 
-    async def reboot_machine(self, provider_id: str) -> None:
+    async def reboot_machine(self, provider_id: str) -> Rebooted:
         machine = self._listed(provider_id)
         if machine.bmc is None:
             raise NoBMC(
@@ -387,6 +387,8 @@ class StaticProvider:
             report.power_state,
             report.detail,
         )
+        # Every way the BMC client reboots is confirmed by reading the power state back off, then on.
+        return Rebooted(went_down=True, detail=f"{report.detail}; power {report.power_state}")
 
     async def close(self) -> None:
         pass

@@ -81,6 +81,24 @@ async def test_takeover_pins_the_first_host_key_and_logs_every_start(bmdb):
     assert started == ["agent key B", "agent key A"]
 
 
+async def test_a_recovery_cycle_records_its_reboot_once(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"k" * 32)
+    assert not await bmdb.reboot_recorded(machine_id, "run-1")
+    assert await bmdb.record_reboot(machine_id, "run-1", "rebooted: heartbeat lost")
+    assert await bmdb.reboot_recorded(machine_id, "run-1")
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None and record.agent_started_at is None, "the old agent is forgotten"
+    # A retry whose first answer was lost changes nothing: no second event, and a new agent is kept.
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"n" * 32)
+    assert not await bmdb.record_reboot(machine_id, "run-1", "rebooted: heartbeat lost")
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None and record.agent_public_key == b"n" * 32
+    assert await bmdb.record_reboot(machine_id, "run-2", "rebooted: forced: disk")
+    assert [e.kind for e in await bmdb.list_events(machine_id)].count("rebooted") == 2
+    assert (await bmdb.recovery_counts(machine_id))[machine_id] == 2
+
+
 async def test_agent_started_is_an_upsert(bmdb):
     machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
     await bmdb.record_agent_started(machine_id, datetime(2026, 1, 1, tzinfo=UTC), b"a" * 32)

@@ -26,6 +26,8 @@ from foundation.settings import Settings
 from lifecycle.contracts import (
     AgentFacts,
     Backoff,
+    BootWaitInput,
+    BootWaitResult,
     HeartbeatLost,
     LifecyclePolicy,
     MachineInput,
@@ -33,6 +35,7 @@ from lifecycle.contracts import (
     ProvisionInput,
     ProvisionResult,
     RebootInput,
+    RebootResult,
     StartAgentInput,
     provider_task_queue,
 )
@@ -45,23 +48,48 @@ SEED_AGENT_BACKOFF = SEED_POLICY.agent_start_backoff
 
 
 class FakeMachineActivities:
-    """Stand-ins that fail agent starts and reboots a set number of times, recording when."""
+    """Stand-ins that fail agent starts, reboots and their records a set number of times, recording when and what."""
 
-    def __init__(self, agent_failures: int = 0, reboot_failures: int = 0) -> None:
+    def __init__(self, agent_failures: int = 0, reboot_failures: int = 0, record_failures: int = 0) -> None:
         self.agent_failures = agent_failures
         self.reboot_failures = reboot_failures
+        self.record_failures = record_failures
         self.agent_attempt_times: list[float] = []
         self.reboots: list[tuple[float, str]] = []
+        self.records: list[RebootInput] = []
+        self.boot_waits: list[BootWaitInput] = []
+        # Every call in order, by activity name.
+        self.calls: list[str] = []
 
     @property
     def activities(self) -> list[Any]:
-        return [self.provision_machine, self.start_agent, self.reboot_machine]
+        """The provider queue's."""
+        return [self.provision_machine, self.start_agent, self.reboot_through_provider, self.wait_for_boot]
 
-    @activity.defn(name="reboot_machine")
-    async def reboot_machine(self, input: RebootInput) -> None:
+    @property
+    def main_queue_activities(self) -> list[Any]:
+        return [self.record_reboot]
+
+    @activity.defn(name="reboot_through_provider")
+    async def reboot_through_provider(self, input: RebootInput) -> RebootResult:
+        self.calls.append("reboot_through_provider")
         self.reboots.append((activity.info().current_attempt_scheduled_time.timestamp(), input.cause))
         if len(self.reboots) <= self.reboot_failures:
             raise ApplicationError("provider sim: reboot: bad answer", type="ProviderProtocolError", non_retryable=True)
+        return RebootResult(went_down=True, detail="fake")
+
+    @activity.defn(name="record_reboot")
+    async def record_reboot(self, input: RebootInput) -> None:
+        self.calls.append("record_reboot")
+        self.records.append(input)
+        if len(self.records) <= self.record_failures:
+            raise ApplicationError("BMDB: connection lost", type="BMDBUnavailable")
+
+    @activity.defn(name="wait_for_boot")
+    async def wait_for_boot(self, input: BootWaitInput) -> BootWaitResult:
+        self.calls.append("wait_for_boot")
+        self.boot_waits.append(input)
+        return BootWaitResult(came_back=True, waited=42.0, detail="SSH answers again")
 
     @activity.defn(name="provision_machine")
     async def provision_machine(self, input: ProvisionInput) -> ProvisionResult:
@@ -69,6 +97,7 @@ class FakeMachineActivities:
 
     @activity.defn(name="start_agent")
     async def start_agent(self, input: StartAgentInput) -> AgentFacts:
+        self.calls.append("start_agent")
         self.agent_attempt_times.append(activity.info().current_attempt_scheduled_time.timestamp())
         if len(self.agent_attempt_times) <= self.agent_failures:
             raise ApplicationError("agent said: disk on fire", type="AGENT_ERROR", non_retryable=True)
@@ -146,7 +175,7 @@ async def machine_worker(env, fakes: FakeMachineActivities, purpose: str) -> Asy
     queue = f"{purpose}-{uuid.uuid4()}"
     activities = provider_task_queue(queue, "sim")
     async with (
-        Worker(env.client, task_queue=queue, workflows=[MachineWorkflow]),
+        Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.main_queue_activities),
         Worker(env.client, task_queue=activities, activities=fakes.activities),
     ):
         yield queue
@@ -303,4 +332,30 @@ async def test_heartbeat_lost_about_an_agent_that_was_replaced_is_ignored(time_s
         assert (
             status.recovery_count == 2 and [cause for _, cause in fakes.reboots][-1] == "heartbeat lost: silent again"
         )
+        await handle.terminate()
+
+
+async def test_a_reboot_recorded_after_a_blip_is_not_repeated_and_the_takeover_waits_for_the_boot(time_skipping_env):
+    env = time_skipping_env
+    # BMDB fails the record three times, each through the activity's quick retries and then the step's back-off.
+    fakes = FakeMachineActivities(record_failures=3)
+    async with machine_worker(env, fakes, "reboot-once") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        recovering_run = (await handle.describe()).run_id
+        await handle.signal(MachineWorkflow.heartbeat_lost, "silent")
+        await env.sleep(timedelta(seconds=300))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 1
+        assert len(fakes.reboots) == 1, "the provider was asked to reboot once"
+        assert len(fakes.records) == 4 and {r.cycle for r in fakes.records} == {recovering_run}
+        assert fakes.calls == [
+            "start_agent",
+            "reboot_through_provider",
+            *["record_reboot"] * 4,
+            "wait_for_boot",
+            "start_agent",
+        ]
+        (wait,) = fakes.boot_waits
+        assert wait.went_down and wait.deadline == FAST.boot_deadline == Settings().boot_deadline
+        assert status.waiting_for_boot_since is None
         await handle.terminate()

@@ -243,7 +243,14 @@ async def test_provider_activities_run_on_the_instances_rate_limited_queue(tmp_p
     assert set(workers) == {queue, provider_task_queue(queue, LAB), provider_task_queue(queue, HASTY)}
     assert workers[provider_task_queue(queue, LAB)].get("max_task_queue_activities_per_second") == 2.5
     assert workers[provider_task_queue(queue, HASTY)].get("max_task_queue_activities_per_second") is None
-    provider_activities = {"plan_reconcile_pass", "provision_machine", "start_agent", "reboot_machine"}
+    provider_activities = {
+        "plan_reconcile_pass",
+        "provision_machine",
+        "start_agent",
+        "reboot_through_provider",
+        "wait_for_boot",
+        "reboot_machine",
+    }
     for name, config in workers.items():
         names = {getattr(activity, "__name__", "") for activity in config.get("activities", [])}
         assert names == provider_activities if name != queue else not names & provider_activities, (name, names)

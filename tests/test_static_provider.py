@@ -281,7 +281,8 @@ async def test_reboot_goes_through_the_bmc_once(tmp_path: Path, caplog: pytest.L
     provider = StaticProvider(
         "rack", bmc_inventory(tmp_path, 'password_file = "password"'), power=FakePowerControl.factory(calls)
     )
-    await provider.reboot_machine("rack1-node01")
+    rebooted = await provider.reboot_machine("rack1-node01")
+    assert rebooted.went_down, "the BMC's power state was read back off, then on"
 
     [(call, name, endpoint)] = calls
     assert (call, name) == ("reboot", "rack")

@@ -7,6 +7,7 @@ in base64.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shlex
 import socket
@@ -27,6 +28,7 @@ from lifecycle.takeover import (
     TakeoverFailure,
     TakeoverSettings,
     TakeoverTarget,
+    ssh_answers,
     take_over,
 )
 from proto import takeover_pb2
@@ -240,6 +242,26 @@ async def test_closed_port_is_refused(sshd, reference_agent, tmp_path):
     error = await expect_failure(target, settings(reference_agent, tmp_path / "agent"), sshd.client_key)
     assert error.failure is TakeoverFailure.CONNECT_REFUSED
     assert error.retryable
+
+
+async def test_ssh_answers_tells_a_booted_machine_from_one_that_is_down(sshd):
+    assert await ssh_answers("127.0.0.1", sshd.port, 2.0)
+    assert not await ssh_answers("127.0.0.1", closed_port(), 2.0)
+
+    async def not_ssh(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+        writer.close()
+
+    for handler in (not_ssh, silent):
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            assert not await ssh_answers("127.0.0.1", port, 0.5), handler.__name__
 
 
 async def test_wrong_client_key_is_rejected(sshd, reference_agent, tmp_path):

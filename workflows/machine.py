@@ -36,12 +36,15 @@ with workflow.unsafe.imports_passed_through():
         STATUS_QUERY,
         AgentFacts,
         Backoff,
+        BootWaitInput,
+        BootWaitResult,
         MachineInput,
         MachineStage,
         MachineStatus,
         ProvisionInput,
         ProvisionResult,
         RebootInput,
+        RebootResult,
         StartAgentInput,
         machine_search_attributes,
         provider_task_queue,
@@ -53,6 +56,10 @@ T = TypeVar("T")
 # failures that say something about the machine are non-retryable there and
 # go straight to the step's back-off.
 _BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+# Recoveries recorded before a cycle rebooted once, recorded apart and waited for the boot ran reboot_machine.
+_REBOOT_ONCE = "reboot-once-then-wait-for-boot"
+# Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
+_BOOT_WAIT_BOUND = timedelta(hours=4)
 
 
 def recovery_reason(request: Any) -> str:
@@ -126,7 +133,10 @@ class MachineWorkflow:
         if status.recovery_requested is not None:
             reason = status.recovery_requested
             self._set_stage(MachineStage.RECOVERING)
-            await self._until_success(input.policy.recovery_backoff, lambda: self._reboot(input, reason))
+            if workflow.patched(_REBOOT_ONCE):
+                await self._recover(input, reason)
+            else:
+                await self._until_success(input.policy.recovery_backoff, lambda: self._reboot(input, reason))
             # Requests that arrived during the reboot are answered by it.
             next_run.resume_stage = MachineStage.AGENT_STARTING
             next_run.agent = None
@@ -221,6 +231,71 @@ class MachineWorkflow:
             task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
         )
 
+    async def _recover(self, input: MachineInput, reason: str) -> None:
+        """Reboot once in this recovery cycle, record it, then wait for the machine to answer SSH again.
+
+        Each is a step of its own, so a failed record never repeats the reboot; the boot wait keeps the first
+        takeover from hitting a booting machine and waiting out the agent-start back-off.
+        """
+        backoff = input.policy.recovery_backoff
+        reboot = RebootInput(
+            provider=input.provider,
+            provider_id=input.provider_id,
+            machine_id=input.machine_id,
+            cause=reason,
+            cycle=workflow.info().run_id,
+        )
+        rebooted: RebootResult = await self._until_success(
+            backoff,
+            lambda: workflow.execute_activity_method(
+                RecoveryActivities.reboot_through_provider,
+                reboot,
+                summary=f"reboot {input.provider_id} through provider {input.provider}: {reason}"[:200],
+                start_to_close_timeout=timedelta(seconds=input.policy.recovery_timeout),
+                retry_policy=_BLIP_RETRY,
+                task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
+            ),
+        )
+        await self._until_success(
+            backoff,
+            lambda: workflow.execute_activity_method(
+                RecoveryActivities.record_reboot,
+                reboot,
+                summary="record the reboot in BMDB and forget the old agent",
+                start_to_close_timeout=timedelta(minutes=1),
+                retry_policy=_BLIP_RETRY,
+            ),
+        )
+        self._status.waiting_for_boot_since = self._now()
+        self._show_details()
+        deadline = input.policy.boot_deadline
+        try:
+            booted: BootWaitResult = await workflow.execute_activity_method(
+                RecoveryActivities.wait_for_boot,
+                BootWaitInput(
+                    provider=input.provider,
+                    provider_id=input.provider_id,
+                    machine_id=input.machine_id,
+                    went_down=rebooted.went_down,
+                    deadline=deadline,
+                ),
+                summary=f"wait for {input.provider_id} to answer SSH after the reboot",
+                start_to_close_timeout=timedelta(seconds=deadline + 60) if deadline else _BOOT_WAIT_BOUND,
+                heartbeat_timeout=timedelta(minutes=2),
+                retry_policy=_BLIP_RETRY,
+                task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
+            )
+            if booted.came_back:
+                workflow.logger.info("back after %.0fs: %s", booted.waited, booted.detail, extra=self._log_fields)
+            else:
+                workflow.logger.warning("%s; taking over anyway", booted.detail, extra=self._log_fields)
+        except ActivityError as error:
+            # The takeover's own attempts and back-off cover a machine whose boot could not be watched.
+            workflow.logger.warning(
+                "cannot watch the boot (%s); taking over anyway", describe_failure(error), extra=self._log_fields
+            )
+        self._status.waiting_for_boot_since = None
+
     async def _reboot(self, input: MachineInput, reason: str) -> None:
         await workflow.execute_activity_method(
             RecoveryActivities.reboot_machine,
@@ -294,6 +369,8 @@ class MachineWorkflow:
             lines.append(f"attempt {status.attempts} failed: {status.last_error}; next at {status.next_attempt_at}")
         if status.recovery_requested:
             lines.append(f"recovery requested: {status.recovery_requested}")
+        if status.waiting_for_boot_since:
+            lines.append(f"rebooted; waiting since {status.waiting_for_boot_since} for SSH to answer")
         lines.append(
             f"recoveries: {status.recovery_count}"
             + (f", last: {status.last_recovery_reason}" if status.last_recovery_reason else "")
