@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from temporalio import activity
 
 from activities.deps import ActivityDeps, provider_errors
-from lifecycle.contracts import BootWaitInput, BootWaitResult, RebootInput, RebootResult
+from lifecycle.contracts import BootWaitInput, BootWaitResult, QuarantineInput, RebootInput, RebootResult
 from lifecycle.takeover import ssh_answers
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,12 @@ class RecoveryActivities:
             time.monotonic() - started,
             f"SSH at {machine.address}:{machine.ssh_port} {said} within {deadline:g}s",
         )
+
+    @activity.defn
+    async def record_quarantine(self, input: QuarantineInput) -> None:
+        """Mark the machine quarantined in BMDB (the watchdog then leaves it out), or released; with an event."""
+        if not await self.deps.bmdb.set_quarantined(uuid.UUID(input.machine_id), input.quarantined, input.detail):
+            log.info("machine %s was %s already", input.machine_id, "quarantined" if input.quarantined else "released")
 
     @activity.defn
     async def reboot_machine(self, input: RebootInput) -> None:

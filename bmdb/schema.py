@@ -47,6 +47,8 @@ machine_provided = Table(
     # Since when the provider no longer lists the machine; NULL while it does. Such a machine is reported and
     # left alone (no recovery), until the provider lists it again or an operator retires it.
     Column("missing_since", DateTime(timezone=True)),
+    # Since when the machine is quarantined: recovered too often, it waits for an operator and is not watched.
+    Column("quarantined_since", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("provider", "provider_id", name="machine_provided_provider_key"),
 )

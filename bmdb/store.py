@@ -451,8 +451,12 @@ class BMDB:
                 )
             )
             # A machine its provider no longer lists cannot be rebooted through it: it is reported, not recovered.
+            # A quarantined machine waits for an operator; its silence is known and counts for no hold.
             .where(
-                machine_provided.c.provider == provider, machine_provided.c.missing_since.is_(None), or_(never, stopped)
+                machine_provided.c.provider == provider,
+                machine_provided.c.missing_since.is_(None),
+                machine_provided.c.quarantined_since.is_(None),
+                or_(never, stopped),
             )
             .order_by(machine_provided.c.provider_id)
         )
@@ -473,7 +477,11 @@ class BMDB:
                     machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
                 )
             )
-            .where(machine_provided.c.provider == provider, machine_provided.c.missing_since.is_(None))
+            .where(
+                machine_provided.c.provider == provider,
+                machine_provided.c.missing_since.is_(None),
+                machine_provided.c.quarantined_since.is_(None),
+            )
         )
         async with self.engine.connect() as conn:
             count = int(await conn.scalar(watched) or 0)
@@ -575,6 +583,23 @@ class BMDB:
             if recorded.first() is None:
                 return False
             await _forget_agent(conn, machine_id, cause)
+            return True
+
+    async def set_quarantined(self, machine_id: uuid.UUID, quarantined: bool, detail: str) -> bool:
+        """Mark the machine quarantined (event ``quarantined``) or released (``released``); False if it was already."""
+        column = machine_provided.c.quarantined_since
+        not_yet = column.is_(None) if quarantined else column.is_not(None)
+        async with self.engine.begin() as conn:
+            changed = await conn.execute(
+                update(machine_provided)
+                .where(machine_provided.c.machine_id == machine_id, not_yet)
+                .values(quarantined_since=func.now() if quarantined else None, updated_at=func.now())
+                .returning(machine_provided.c.machine_id)
+            )
+            if changed.first() is None:
+                return False
+            kind = "quarantined" if quarantined else "released"
+            await conn.execute(insert(events).values(machine_id=machine_id, kind=kind, detail=detail))
             return True
 
     async def reboot_recorded(self, machine_id: uuid.UUID, cycle: str) -> bool:

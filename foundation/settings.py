@@ -171,7 +171,10 @@ class Settings:
     first_heartbeat_timeout: float = _duration(1800.0, "Agent started this long ago without any heartbeat: recover")
     heartbeat_timeout: float = _duration(600.0, "Last heartbeat older than this: recover")
 
-    # Recovery safety: many machines silent at once is more likely our fault than theirs
+    # Recovery safety: a machine that keeps dying waits for a human
+    recovery_budget: int = _setting(3, "Recoveries of a machine within recovery_budget_window; one more quarantines it")
+    recovery_budget_window: float = _duration(3600.0, "The window the recovery budget counts in")
+    # Many machines silent at once is more likely our fault than theirs
     recovery_hold_min_machines: int = _setting(
         5, "Hold every recovery of a provider when more of its machines than this are silent at once"
     )
@@ -235,6 +238,7 @@ class Settings:
             ("max_concurrent_workflow_tasks", 2),
             ("max_activities_per_second", 0),
             ("recovery_hold_min_machines", 1),
+            ("recovery_budget", 1),
         ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")

@@ -43,6 +43,8 @@ class MachineStage(enum.StrEnum):
     AGENT_STARTING = "AGENT_STARTING"
     WATCHING = "WATCHING"
     RECOVERING = "RECOVERING"
+    # Recovered more often than its budget allows: left alone until an operator releases it.
+    QUARANTINED = "QUARANTINED"
 
 
 def machine_workflow_id(provider: str, provider_id: str) -> str:
@@ -90,6 +92,7 @@ class HeartbeatLost:
 
 
 FORCE_RECOVER_SIGNAL = "force_recover"
+RELEASE_UPDATE = "release"
 RETRY_NOW_SIGNAL = "retry_now"
 STATUS_QUERY = "status"
 
@@ -121,6 +124,36 @@ class LifecyclePolicy:
     # How long a rebooted machine may take to answer SSH; None in workflows started before the wait existed,
     # which take the worker's setting.
     boot_deadline: float | None = None
+    # Recoveries within recovery_budget_window seconds before the watchdog's next one quarantines the machine;
+    # None (workflows started before the budget existed): no budget.
+    recovery_budget: int | None = None
+    recovery_budget_window: float | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """One recovery of a machine, in its workflow's memory for the recovery budget: when, and why."""
+
+    at: str
+    reason: str
+
+
+@dataclass
+class Quarantine:
+    """Why a machine is quarantined, since when, and the recoveries that spent its budget."""
+
+    since: str
+    reason: str
+    recoveries: list[RecoveryRecord]
+
+
+@dataclass(frozen=True)
+class QuarantineInput:
+    """Input of the record_quarantine activity: mark the machine quarantined in BMDB, or released, with why."""
+
+    machine_id: str
+    quarantined: bool
+    detail: str
 
 
 # --- MachineWorkflow -----------------------------------------------------------
@@ -149,6 +182,8 @@ class MachineInput:
     agent: AgentFacts | None = None
     recovery_count: int = 0
     last_recovery_reason: str | None = None
+    # The recent recoveries the budget counts, oldest first.
+    recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -174,6 +209,8 @@ class MachineStatus:
     recovery_requests_coalesced: int = 0
     # Since when the workflow waits for the rebooted machine to answer SSH.
     waiting_for_boot_since: str | None = None
+    recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
+    quarantine: Quarantine | None = None
 
 
 @dataclass(frozen=True)

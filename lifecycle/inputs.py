@@ -31,6 +31,8 @@ def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
         agent_start_timeout=settings.provider_timeout + settings.ssh_connect_timeout + settings.ssh_exec_timeout + 30,
         recovery_timeout=settings.reboot_timeout + 30,
         boot_deadline=settings.boot_deadline,
+        recovery_budget=settings.recovery_budget,
+        recovery_budget_window=settings.recovery_budget_window,
     )
 
 

@@ -81,6 +81,7 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
                 fleet.watch_silent_machines,
                 fleet.signal_silent_machines,
                 recovery.record_reboot,
+                recovery.record_quarantine,
             ],
             max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
             **common,

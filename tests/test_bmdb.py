@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -97,6 +97,29 @@ async def test_a_recovery_cycle_records_its_reboot_once(bmdb):
     assert await bmdb.record_reboot(machine_id, "run-2", "rebooted: forced: disk")
     assert [e.kind for e in await bmdb.list_events(machine_id)].count("rebooted") == 2
     assert (await bmdb.recovery_counts(machine_id))[machine_id] == 2
+
+
+async def test_a_quarantined_machine_is_neither_silent_nor_watched_until_released(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"k" * 32)
+    later = datetime.now(UTC) + timedelta(hours=1)
+
+    async def silent() -> list[str]:
+        found = await bmdb.silent_machines("sim", as_of=later, first_heartbeat_within=60, heartbeat_within=60)
+        return [m.provider_id for m in found]
+
+    assert await silent() == ["node-0001"] and (await bmdb.watched_machines("sim")).count == 1
+    assert await bmdb.set_quarantined(machine_id, True, "3 recoveries within 1:00:00")
+    assert not await bmdb.set_quarantined(machine_id, True, "again")
+    assert await silent() == [] and (await bmdb.watched_machines("sim")).count == 0
+    assert await bmdb.set_quarantined(machine_id, False, "released by alice: PSU replaced")
+    assert not await bmdb.set_quarantined(machine_id, False, "again")
+    assert await silent() == ["node-0001"]
+    events = [(e.kind, e.detail) for e in await bmdb.list_events(machine_id)]
+    assert events[:2] == [
+        ("released", "released by alice: PSU replaced"),
+        ("quarantined", "3 recoveries within 1:00:00"),
+    ]
 
 
 async def test_agent_started_is_an_upsert(bmdb):

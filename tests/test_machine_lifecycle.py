@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
@@ -32,8 +33,10 @@ from lifecycle.contracts import (
     LifecyclePolicy,
     MachineInput,
     MachineStage,
+    MachineStatus,
     ProvisionInput,
     ProvisionResult,
+    QuarantineInput,
     RebootInput,
     RebootResult,
     StartAgentInput,
@@ -58,6 +61,7 @@ class FakeMachineActivities:
         self.reboots: list[tuple[float, str]] = []
         self.records: list[RebootInput] = []
         self.boot_waits: list[BootWaitInput] = []
+        self.quarantines: list[tuple[bool, str]] = []
         # Every call in order, by activity name.
         self.calls: list[str] = []
 
@@ -68,7 +72,11 @@ class FakeMachineActivities:
 
     @property
     def main_queue_activities(self) -> list[Any]:
-        return [self.record_reboot]
+        return [self.record_reboot, self.record_quarantine]
+
+    @activity.defn(name="record_quarantine")
+    async def record_quarantine(self, input: QuarantineInput) -> None:
+        self.quarantines.append((input.quarantined, input.detail))
 
     @activity.defn(name="reboot_through_provider")
     async def reboot_through_provider(self, input: RebootInput) -> RebootResult:
@@ -181,8 +189,8 @@ async def machine_worker(env, fakes: FakeMachineActivities, purpose: str) -> Asy
         yield queue
 
 
-async def watching_machine(env, fakes: FakeMachineActivities, queue: str) -> Any:
-    handle = await start_machine(env, queue, FAST)
+async def watching_machine(env, fakes: FakeMachineActivities, queue: str, policy: LifecyclePolicy = FAST) -> Any:
+    handle = await start_machine(env, queue, policy)
     await env.sleep(timedelta(seconds=1))
     assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
     return handle
@@ -297,7 +305,8 @@ async def test_a_hundred_recoveries_keep_the_history_short(time_skipping_env):
     env = time_skipping_env
     fakes = FakeMachineActivities()
     async with machine_worker(env, fakes, "many") as queue:
-        handle = await watching_machine(env, fakes, queue)
+        # No recovery budget (as in a workflow started before there was one), or it would be quarantined.
+        handle = await watching_machine(env, fakes, queue, replace(FAST, recovery_budget=None))
         for n in range(100):
             await handle.signal(MachineWorkflow.heartbeat_lost, f"silence {n}")
             await env.sleep(timedelta(seconds=2))
@@ -358,4 +367,90 @@ async def test_a_reboot_recorded_after_a_blip_is_not_repeated_and_the_takeover_w
         (wait,) = fakes.boot_waits
         assert wait.went_down and wait.deadline == FAST.boot_deadline == Settings().boot_deadline
         assert status.waiting_for_boot_since is None
+        await handle.terminate()
+
+
+BUDGET = replace(FAST, recovery_budget=3, recovery_budget_window=3600.0)
+
+
+async def lose_heartbeat(env, handle: Any, cause: str) -> MachineStatus:
+    """Signal heartbeat_lost about the machine's current agent, and its status two minutes later."""
+    agent = (await handle.query(MachineWorkflow.status)).agent
+    await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost(cause, agent.key_fingerprint))
+    await env.sleep(timedelta(seconds=120))
+    return await handle.query(MachineWorkflow.status)
+
+
+async def test_a_machine_past_its_recovery_budget_is_quarantined_until_an_operator_releases_it(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "budget") as queue:
+        handle = await start_machine(env, queue, BUDGET)
+        await env.sleep(timedelta(seconds=1))
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update(MachineWorkflow.release, {"reason": "fixed", "by": "alice"})
+        assert "not quarantined: it is WATCHING" in str(refused.value.cause)
+
+        for n in range(1, 4):
+            status = await lose_heartbeat(env, handle, f"silent {n}")
+            assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, n)
+            assert [r.reason for r in status.recent_recoveries][-1] == f"heartbeat lost: silent {n}"
+
+        # The fourth within the hour: not rebooted, quarantined with the recoveries that spent the budget.
+        status = await lose_heartbeat(env, handle, "silent 4")
+        assert status.stage is MachineStage.QUARANTINED and status.recovery_count == 3 and len(fakes.reboots) == 3
+        assert status.quarantine is not None
+        assert status.quarantine.reason.startswith("3 recoveries within 1:00:00, its budget")
+        assert [r.reason for r in status.quarantine.recoveries] == [f"heartbeat lost: silent {n}" for n in (1, 2, 3)]
+        assert fakes.quarantines == [(True, status.quarantine.reason)]
+        # Hours later it is still left alone.
+        await env.sleep(timedelta(hours=5))
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.QUARANTINED
+        assert len(fakes.reboots) == 3
+
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await handle.execute_update(MachineWorkflow.release, {"by": "alice"})
+        assert "say why" in str(refused.value.cause)
+        answer = await handle.execute_update(MachineWorkflow.release, {"reason": "PSU replaced", "by": "alice"})
+        assert answer.startswith("released by alice (PSU replaced)")
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert (status.stage, status.recovery_count, status.quarantine) == (MachineStage.WATCHING, 4, None)
+        assert status.last_recovery_reason == "heartbeat lost: silent 4 (released by alice: PSU replaced)"
+        assert len(status.recent_recoveries) == 1, "the budget starts afresh"
+        assert fakes.quarantines[-1] == (False, "released by alice: PSU replaced")
+        await handle.terminate()
+
+
+async def test_forced_recoveries_are_never_quarantined_and_the_budget_window_slides(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "budget-window") as queue:
+        handle = await start_machine(env, queue, BUDGET)
+        await env.sleep(timedelta(seconds=1))
+        for n in range(4):
+            await handle.signal("force_recover", {"reason": f"operator {n}"})
+            await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 4) and not fakes.quarantines
+        # An hour on, the forced recoveries have left the window.
+        await env.sleep(timedelta(hours=1))
+        status = await lose_heartbeat(env, handle, "silent")
+        assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 5) and not fakes.quarantines
+        await handle.terminate()
+
+
+async def test_a_forced_recovery_releases_a_quarantined_machine(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "budget-forced") as queue:
+        handle = await start_machine(env, queue, replace(BUDGET, recovery_budget=1))
+        await env.sleep(timedelta(seconds=1))
+        await lose_heartbeat(env, handle, "first")
+        assert (await lose_heartbeat(env, handle, "second")).stage is MachineStage.QUARANTINED
+        await handle.signal("force_recover", {"reason": "reseated the NIC"})
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 2)
+        assert fakes.quarantines[-1] == (False, "released by force_recover: forced: reseated the NIC")
         await handle.terminate()

@@ -146,3 +146,52 @@ async def test_shepherd_recover_finds_the_machine_by_any_name(tmp_path, temporal
         code, out, err = await shepherd("recover", "node-0002", "--reason", "x")
         assert code == 1 and "machine-sim-node-0002 is TERMINATED, not running" in err
         assert (await bmdb.recovery_counts()).get(record.machine_id) == 3
+
+
+async def test_a_machine_that_keeps_dying_is_quarantined_and_released_with_shepherd_release(
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+):
+    async with fleet_stack(
+        tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, recovery_budget=1, **WATCH
+    ) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+
+        async def shepherd(*args: str) -> tuple[int, str, str]:
+            return await shepherd_cli(stack.environment(bmdb_url), *args)
+
+        code, out, err = await shepherd("release", "node-0001", "--reason", "x")
+        assert code == 1 and "machine-sim-node-0001: not quarantined: it is WATCHING" in err
+
+        async def silent_once_more(count: int) -> None:
+            await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what=f"heartbeats of node-0001 ({count})")
+            assert (await sim_admin(stack, "/admin/machines/node-0001/kill-agent", {}))["killed"] >= 1
+            await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+            assert (await stack.run_pass()).silent == ["node-0001"]
+
+        await silent_once_more(1)
+        await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.WATCHING, 1), what="first recovery")
+        await silent_once_more(2)
+        status = await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.QUARANTINED, 1), what="quarantine")
+        assert status.quarantine.reason.startswith("1 recoveries within 1:00:00")
+        record = await heartbeat_of(stack, bmdb, "node-0001")
+        assert (await bmdb.list_events(record.machine_id))[0].kind == "quarantined"
+        # Quarantined, it is no longer watched: no signal, and it counts for no hold.
+        assert (await stack.run_pass()).silent == []
+        code, out, err = await shepherd("machines")
+        assert code == 0, err
+        assert "QUARANTINED" in next(line for line in out.splitlines() if line.startswith("node-0001"))
+
+        code, out, err = await shepherd("release", "node-0001", "--reason", "memory replaced", "--by", "alice")
+        assert code == 0, err
+        assert out.startswith("machine-sim-node-0001: released by alice (memory replaced)")
+        status = await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.WATCHING, 2), what="recovery")
+        assert status.last_recovery_reason.endswith("(released by alice: memory replaced)")
+        kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
+        assert kinds[:4] == ["agent_started", "rebooted", "released", "quarantined"]
+        assert (await stack.status("node-0002")).recovery_count == 0
+
+
+async def _stage_is(stack: FleetStack, provider_id: str, stage: MachineStage, recoveries: int):
+    status = await stack.status(provider_id)
+    return status if status.stage is stage and status.recovery_count == recoveries else None

@@ -1,9 +1,10 @@
 """MachineWorkflow: one machine's lifecycle, one workflow per machine.
 
 PROVISIONING -> AGENT_STARTING -> WATCHING -> RECOVERING -> AGENT_STARTING ...
+and, past the recovery budget, WATCHING -> QUARANTINED -> (an operator's release) RECOVERING.
 Signals: ``force_recover`` (an operator), ``heartbeat_lost`` (the fleet
 watchdog) and ``retry_now`` (an operator who fixed what made a step fail);
-query: ``status``. The workflow id
+update: ``release`` (of a quarantined machine); query: ``status``. The workflow id
 ``machine-<provider>-<provider_id>`` makes Temporal the per-machine lock: no
 two workers ever act on the same machine at once.
 
@@ -16,7 +17,7 @@ Temporal UI shows every failed attempt in the history.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -32,19 +33,24 @@ with workflow.unsafe.imports_passed_through():
     from lifecycle.contracts import (
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
+        RELEASE_UPDATE,
         RETRY_NOW_SIGNAL,
         STATUS_QUERY,
         AgentFacts,
         Backoff,
         BootWaitInput,
         BootWaitResult,
+        LifecyclePolicy,
         MachineInput,
         MachineStage,
         MachineStatus,
         ProvisionInput,
         ProvisionResult,
+        Quarantine,
+        QuarantineInput,
         RebootInput,
         RebootResult,
+        RecoveryRecord,
         StartAgentInput,
         machine_search_attributes,
         provider_task_queue,
@@ -58,6 +64,8 @@ T = TypeVar("T")
 _BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 # Recoveries recorded before a cycle rebooted once, recorded apart and waited for the boot ran reboot_machine.
 _REBOOT_ONCE = "reboot-once-then-wait-for-boot"
+# Recoveries recorded before the recovery budget never quarantined.
+_RECOVERY_BUDGET = "recovery-budget"
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 _BOOT_WAIT_BOUND = timedelta(hours=4)
 
@@ -71,6 +79,17 @@ def recovery_reason(request: Any) -> str:
     if isinstance(request, str) and request.strip():
         return request.strip()
     return f"unreadable reason {str(request)[:100]!r}"
+
+
+def release_request(request: Any) -> tuple[str, str]:
+    """(reason, who) of a release update's argument; ValueError when it gives no reason."""
+    reason, by = request, None
+    if isinstance(request, dict):
+        reason, by = request.get("reason"), request.get("by")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError('say why the machine may be recovered again: {"reason": "...", "by": "..."}')
+    who = by.strip() if isinstance(by, str) and by.strip() else "unknown"
+    return reason.strip()[:500], who[:100]
 
 
 @workflow.defn(name="MachineWorkflow")
@@ -97,8 +116,11 @@ class MachineWorkflow:
             agent=input.agent,
             recovery_count=input.recovery_count,
             last_recovery_reason=input.last_recovery_reason,
+            recent_recoveries=list(input.recent_recoveries),
         )
         self._retry_now = False
+        # (who, why) of the operator who released the quarantined machine.
+        self._release: tuple[str, str] | None = None
 
     @workflow.run
     async def run(self, input: MachineInput) -> None:
@@ -129,9 +151,12 @@ class MachineWorkflow:
             agent=status.agent,
             recovery_count=status.recovery_count,
             last_recovery_reason=status.last_recovery_reason,
+            recent_recoveries=status.recent_recoveries,
         )
         if status.recovery_requested is not None:
             reason = status.recovery_requested
+            if workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, reason):
+                reason = await self._quarantine(input, reason)
             self._set_stage(MachineStage.RECOVERING)
             if workflow.patched(_REBOOT_ONCE):
                 await self._recover(input, reason)
@@ -142,6 +167,10 @@ class MachineWorkflow:
             next_run.agent = None
             next_run.recovery_count += 1
             next_run.last_recovery_reason = reason
+            next_run.recent_recoveries = [
+                *self._within_budget_window(input.policy),
+                RecoveryRecord(self._now(), reason),
+            ]
         # Each recovery cycle starts a fresh history, so a machine that recovers
         # a hundred times keeps a short one.
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -192,8 +221,30 @@ class MachineWorkflow:
         self._retry_now = True
         workflow.logger.info("retrying now: %s", reason if reason else "asked by an operator", extra=self._log_fields)
 
+    @workflow.update(name=RELEASE_UPDATE)
+    def release(self, request: Any = None) -> str:
+        """``release``: an operator lets a quarantined machine be recovered again, ``{"reason": ..., "by": ...}``.
+
+        An update, not a signal, so the caller hears whether it was quarantined at all.
+        """
+        reason, by = release_request(request)
+        self._release = (by, reason)
+        workflow.logger.info("released by %s: %s", by, reason, extra=self._log_fields)
+        return f"released by {by} ({reason}): the held recovery reboots it now, and its budget starts afresh"
+
+    @release.validator
+    def _release_allowed(self, request: Any = None) -> None:
+        if self._status.stage is not MachineStage.QUARANTINED or self._release is not None:
+            raise ValueError(f"not quarantined: it is {self._status.stage}")
+        release_request(request)
+
     def _request_recovery(self, reason: str) -> None:
         status = self._status
+        if status.stage is MachineStage.QUARANTINED and reason.startswith("forced:") and self._release is None:
+            # An operator who forces a recovery of a quarantined machine means it: that is a release.
+            self._release = ("force_recover", reason)
+            workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
+            return
         if status.recovery_requested is not None or status.stage is MachineStage.RECOVERING:
             status.recovery_requests_coalesced += 1
             workflow.logger.info("recovery already under way; coalesced: %s", reason, extra=self._log_fields)
@@ -229,6 +280,51 @@ class MachineWorkflow:
             start_to_close_timeout=timedelta(seconds=input.policy.agent_start_timeout),
             retry_policy=_BLIP_RETRY,
             task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
+        )
+
+    def _within_budget_window(self, policy: LifecyclePolicy) -> list[RecoveryRecord]:
+        """The recent recoveries the budget still counts; all of them when there is no window."""
+        recent = self._status.recent_recoveries
+        if policy.recovery_budget_window is None:
+            return recent[-10:]
+        since = workflow.now() - timedelta(seconds=policy.recovery_budget_window)
+        return [r for r in recent if datetime.fromisoformat(r.at) >= since]
+
+    def _budget_spent(self, policy: LifecyclePolicy, reason: str) -> bool:
+        """Whether this recovery would be one more than the budget allows; an operator's forced one never is."""
+        if policy.recovery_budget is None or reason.startswith("forced:"):
+            return False
+        return len(self._within_budget_window(policy)) >= policy.recovery_budget
+
+    async def _quarantine(self, input: MachineInput, reason: str) -> str:
+        """Hold the recovery until an operator releases the machine; the reason to recover with then."""
+        status = self._status
+        recent = self._within_budget_window(input.policy)
+        window = timedelta(seconds=input.policy.recovery_budget_window or 0)
+        why = f"{len(recent)} recoveries within {window}, its budget; not rebooted again for: {reason}"
+        status.quarantine = Quarantine(since=self._now(), reason=why, recoveries=recent)
+        self._set_stage(MachineStage.QUARANTINED)
+        workflow.logger.warning("quarantined: %s", why, extra=self._log_fields)
+        await self._record_quarantine(input, True, why)
+        await workflow.wait_condition(lambda: self._release is not None)
+        assert self._release is not None
+        by, released_why = self._release
+        await self._record_quarantine(input, False, f"released by {by}: {released_why}")
+        self._release = None
+        status.quarantine = None
+        status.recent_recoveries = []
+        return f"{reason} (released by {by}: {released_why})"
+
+    async def _record_quarantine(self, input: MachineInput, quarantined: bool, detail: str) -> None:
+        await self._until_success(
+            input.policy.recovery_backoff,
+            lambda: workflow.execute_activity_method(
+                RecoveryActivities.record_quarantine,
+                QuarantineInput(machine_id=input.machine_id, quarantined=quarantined, detail=detail),
+                summary=("quarantine" if quarantined else "release") + f" {input.provider_id} in BMDB",
+                start_to_close_timeout=timedelta(minutes=1),
+                retry_policy=_BLIP_RETRY,
+            ),
         )
 
     async def _recover(self, input: MachineInput, reason: str) -> None:
@@ -369,6 +465,9 @@ class MachineWorkflow:
             lines.append(f"attempt {status.attempts} failed: {status.last_error}; next at {status.next_attempt_at}")
         if status.recovery_requested:
             lines.append(f"recovery requested: {status.recovery_requested}")
+        if status.quarantine:
+            lines.append(f"**quarantined** since {status.quarantine.since}: {status.quarantine.reason}")
+            lines.append("release: `shepherd release` or the `release` update with a reason")
         if status.waiting_for_boot_since:
             lines.append(f"rebooted; waiting since {status.waiting_for_boot_since} for SSH to answer")
         lines.append(

@@ -12,8 +12,8 @@ import getpass
 import json
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TextIO, TypeAlias, TypeVar
 
@@ -163,6 +163,22 @@ def database(settings: Settings) -> Iterator[str]:
         return
     with LocalPostgres(settings.state_dir / "postgres") as url:
         yield url
+
+
+def answer_with_lazy_bmdb(
+    settings: Settings, act: Callable[[Callable[[], Awaitable[BMDB]]], Coroutine[Any, Any, str]]
+) -> int:
+    """Print what act answers. act gets an opener of BMDB, so a local PostgreSQL starts only if it is needed."""
+    with ExitStack() as stack:
+
+        def opener() -> Awaitable[BMDB]:
+            return open_bmdb(stack.enter_context(database(settings)))
+
+        try:
+            print(asyncio.run(act(opener)))
+        except MachineNotFound as error:
+            raise CommandError(str(error)) from None
+    return EXIT_OK
 
 
 async def no_temporal() -> None:

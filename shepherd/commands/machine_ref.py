@@ -7,12 +7,13 @@ BMDB machine id, or a prefix of one long enough to be unique.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
-from temporalio.client import Client, WorkflowExecutionDescription
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB, MachineRecord
-from lifecycle.contracts import machine_workflow_id
+from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, machine_workflow_id
 
 # Short enough to type, long enough that a typo rarely hits another machine.
 MIN_ID_PREFIX = 4
@@ -21,7 +22,7 @@ _SHOWN_CANDIDATES = 5
 
 
 class MachineNotFound(Exception):
-    """No machine, or more than one, goes by that name; the message says which."""
+    """No machine, or more than one, goes by that name, or its workflow does not run; the message says which."""
 
 
 async def resolve_machine(bmdb: BMDB, name: str) -> MachineRecord:
@@ -64,3 +65,38 @@ async def describe_workflow(client: Client, workflow_id: str) -> WorkflowExecuti
         if error.status == RPCStatusCode.NOT_FOUND:
             return None
         raise
+
+
+async def find_machine_workflow(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], machine: str) -> str:
+    """The workflow id of the machine named by a workflow id, a provider id or a BMDB machine id (or prefix).
+
+    BMDB is opened only when the name is not a machine workflow's id.
+    """
+    if machine.startswith("machine-"):
+        description = await describe_workflow(client, machine)
+        if description is not None:
+            if description.workflow_type != MACHINE_WORKFLOW_TYPE:
+                raise MachineNotFound(f"{machine} is a {description.workflow_type} workflow, not a machine's")
+            return machine
+    bmdb = await open_bmdb()
+    try:
+        record = await resolve_machine(bmdb, machine)
+    finally:
+        await bmdb.close()
+    return machine_workflow_id(record.provider, record.provider_id)
+
+
+async def running_machine_workflow(
+    client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], machine: str, *, then: str
+) -> str:
+    """find_machine_workflow, refusing a workflow that does not run; then: what to do once it runs again."""
+    workflow_id = await find_machine_workflow(client, open_bmdb, machine)
+    description = await describe_workflow(client, workflow_id)
+    if description is None:
+        raise MachineNotFound(f"{workflow_id} has never run; the next fleet pass starts it, then {then}")
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        state = description.status.name if description.status else "not running"
+        raise MachineNotFound(
+            f"{workflow_id} is {state}, not running; the next fleet pass starts it again, then {then}"
+        )
+    return workflow_id
