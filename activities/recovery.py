@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 from temporalio import activity
 
 from activities.deps import ActivityDeps, provider_errors
 from lifecycle.contracts import BootWaitInput, BootWaitResult, QuarantineInput, RebootInput, RebootResult
-from lifecycle.takeover import ssh_answers
+from lifecycle.takeover import wait_until_booted
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +72,21 @@ class RecoveryActivities:
         if machine.address is None:
             return BootWaitResult(False, 0.0, f"{input.provider} lists no address for {input.provider_id}")
         started = time.monotonic()
-        timeout = self.deps.settings.ssh_connect_timeout
-        while datetime.now(UTC) < until:
-            answers = await ssh_answers(machine.address, machine.ssh_port, timeout)
-            if answers and seen_down:
-                waited = time.monotonic() - started
-                return BootWaitResult(True, waited, f"SSH at {machine.address}:{machine.ssh_port} answers again")
-            seen_down = seen_down or not answers
-            activity.heartbeat(seen_down)
-            await asyncio.sleep(BOOT_POLL_SECONDS)
-        said = "did not answer again" if seen_down else "never went away (the reboot was not seen)"
-        return BootWaitResult(
-            False,
-            time.monotonic() - started,
-            f"SSH at {machine.address}:{machine.ssh_port} {said} within {deadline:g}s",
+        where = f"{machine.address}:{machine.ssh_port}"
+        came_back, seen_down = await wait_until_booted(
+            machine.address,
+            machine.ssh_port,
+            seen_down=seen_down,
+            until=until,
+            probe_within=self.deps.settings.ssh_connect_timeout,
+            poll=BOOT_POLL_SECONDS,
+            progress=activity.heartbeat,
         )
+        waited = time.monotonic() - started
+        if came_back:
+            return BootWaitResult(True, waited, f"SSH at {where} answers again")
+        said = "did not answer again" if seen_down else "never went away (the reboot was not seen)"
+        return BootWaitResult(False, waited, f"SSH at {where} {said} within {deadline:g}s")
 
     @activity.defn
     async def record_quarantine(self, input: QuarantineInput) -> None:

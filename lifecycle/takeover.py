@@ -15,7 +15,9 @@ import hashlib
 import posixpath
 import secrets
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncssh
@@ -235,6 +237,32 @@ async def ssh_answers(address: str, port: int, within: float) -> bool:
                 writer.close()
     except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
         return False
+
+
+async def wait_until_booted(
+    address: str,
+    port: int,
+    *,
+    seen_down: bool,
+    until: datetime,
+    probe_within: float,
+    poll: float,
+    progress: Callable[[bool], None] = lambda seen_down: None,
+) -> tuple[bool, bool]:
+    """Try SSH at address:port every poll seconds until it answers after it was down, or until passes.
+
+    seen_down: the machine is known to have gone down (the provider saw it), so SSH answering is the new boot;
+    else SSH must first stop answering, or the boot before the reboot would count. progress hears, after every
+    try, whether the machine was seen down. Returns (came back, seen down).
+    """
+    while datetime.now(UTC) < until:
+        answers = await ssh_answers(address, port, probe_within)
+        if answers and seen_down:
+            return True, True
+        seen_down = seen_down or not answers
+        progress(seen_down)
+        await asyncio.sleep(poll)
+    return False, seen_down
 
 
 def key_fingerprint(public_key: bytes) -> str:

@@ -14,6 +14,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncssh
@@ -30,6 +31,7 @@ from lifecycle.takeover import (
     TakeoverTarget,
     ssh_answers,
     take_over,
+    wait_until_booted,
 )
 from proto import takeover_pb2
 from providers.sim import SimProvider
@@ -262,6 +264,47 @@ async def test_ssh_answers_tells_a_booted_machine_from_one_that_is_down(sshd):
         port = server.sockets[0].getsockname()[1]
         async with server:
             assert not await ssh_answers("127.0.0.1", port, 0.5), handler.__name__
+
+
+async def ssh_banner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"SSH-2.0-booted\r\n")
+    await writer.drain()
+    writer.close()
+
+
+async def test_a_reboot_not_seen_by_the_provider_counts_once_ssh_went_away_and_answers_again():
+    port = closed_port()
+    server = await asyncio.start_server(ssh_banner, "127.0.0.1", port)
+    seen: list[bool] = []
+
+    async def reboot() -> None:
+        await asyncio.sleep(0.3)
+        server.close()
+        await server.wait_closed()
+        await asyncio.sleep(0.3)
+        await asyncio.start_server(ssh_banner, "127.0.0.1", port)
+
+    until = datetime.now(UTC) + timedelta(seconds=20)
+    rebooting = asyncio.create_task(reboot())
+    result = await wait_until_booted(
+        "127.0.0.1", port, seen_down=False, until=until, probe_within=1.0, poll=0.05, progress=seen.append
+    )
+    await rebooting
+    assert result == (True, True)
+    assert seen[0] is False and seen[-1] is True, "the old boot answered first, then SSH went away"
+
+
+async def test_the_boot_wait_ends_at_its_deadline():
+    async def wait(port: int, seen_down: bool, seconds: float) -> tuple[bool, bool]:
+        until = datetime.now(UTC) + timedelta(seconds=seconds)
+        return await wait_until_booted("127.0.0.1", port, seen_down=seen_down, until=until, probe_within=0.2, poll=0.05)
+
+    assert await wait(closed_port(), True, 0.3) == (False, True), "down and never back"
+    server = await asyncio.start_server(ssh_banner, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        assert await wait(port, False, 0.3) == (False, False), "never seen down: that is the boot before the reboot"
+        assert await wait(port, True, 5.0) == (True, True)
 
 
 async def test_wrong_client_key_is_rejected(sshd, reference_agent, tmp_path):
