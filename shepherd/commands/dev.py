@@ -233,7 +233,7 @@ class Chaos:
     """Kills the agent of a random WATCHING machine every interval, through the simulator's admin API.
 
     A machine struck once is left alone until its recovery has begun, so every
-    kill leads to one recovery.
+    kill leads to one recovery; kills go to the machines killed least so far.
     """
 
     def __init__(self, api_url: str, options: DevOptions, say: Callable[[str], None]) -> None:
@@ -243,6 +243,7 @@ class Chaos:
         self.say = say
         self.kills = 0
         self.awaiting_recovery: set[str] = set()
+        self.kills_of: dict[str, int] = {}
         self.next_strike = time.monotonic() + self.interval
         self.random = random.Random()
 
@@ -257,7 +258,10 @@ class Chaos:
         candidates = sorted(watching - self.awaiting_recovery)
         if not candidates:
             return
-        workflow_id = self.random.choice(candidates)
+        # The least killed first: one machine killed over and over would spend its recovery budget and be
+        # quarantined, as it would be in production.
+        fewest = min(self.kills_of.get(c, 0) for c in candidates)
+        workflow_id = self.random.choice([c for c in candidates if self.kills_of.get(c, 0) == fewest])
         provider_id = workflow_id.removeprefix(machine_workflow_id("sim", ""))
         self.next_strike = time.monotonic() + self.interval
         try:
@@ -274,6 +278,7 @@ class Chaos:
             self.say(f"chaos: {provider_id} had no agent running")
             return
         self.kills += 1
+        self.kills_of[workflow_id] = self.kills_of.get(workflow_id, 0) + 1
         self.awaiting_recovery.add(workflow_id)
         limit = f"/{self.limit}" if self.limit is not None else ""
         self.say(f"chaos: killed the agent of {provider_id} (kill {self.kills}{limit}); watch it recover")
