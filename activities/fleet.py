@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TypeVar
 
 from temporalio import activity
@@ -24,6 +24,7 @@ from lifecycle.contracts import (
     ReconcilePassInput,
     ReconcilePassPlan,
     RecoveryHold,
+    RecoveryHoldRule,
     WatchdogInput,
     WatchdogResult,
     machine_workflow_id,
@@ -31,7 +32,7 @@ from lifecycle.contracts import (
 from lifecycle.inputs import recovery_hold_rule
 from lifecycle.reconcile import plan_reconcile
 from lifecycle.takeover import key_fingerprint
-from lifecycle.watchdog import hold_reason, hold_threshold
+from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ class FleetActivities:
         """Signal every machine whose agent went silent, unless so many are silent that the fault is more likely ours.
 
         One BMDB query finds the silent; when the circuit breaker trips, none is signalled, the hold is recorded
-        (a fleet event when it begins) and stays until the silence ends or an operator releases it.
+        (a fleet event when it begins) and stays until the silence ends or an operator releases it. The machines
+        that fell silent during a hold get a grace from its end to come back: their agents may still be waiting
+        out their retry back-off.
         """
         bmdb = self.deps.bmdb
         as_of = datetime.fromisoformat(input.as_of)
@@ -128,21 +131,25 @@ class FleetActivities:
         watched = await bmdb.watched_machines(input.provider)
         last = watched.last_heartbeat_at
         rule = input.hold_rule or recovery_hold_rule(self.deps.settings)
+        spared = _spared(input.provider, rule, silent, watched.hold_ended_at, as_of)
+        silent = [m for m in silent if m not in spared]
         why = hold_reason(
             rule,
             silent=len(silent),
             watched=watched.count,
             last_heartbeat_age=None if last is None else (as_of - last).total_seconds(),
-            heartbeat_within=input.heartbeat_within,
         )
         hold = None
-        if why is None:
-            ended = await bmdb.end_recovery_hold(
+        if why is None and watched.hold_standing:
+            await bmdb.end_recovery_hold(
                 input.provider, f"{len(silent)} of {watched.count} watched machines silent: recoveries go ahead"
             )
-            if ended is not None:
-                log.warning("recoveries of provider %s resumed: %d machine(s) silent now", input.provider, len(silent))
-        else:
+            log.warning("recoveries of provider %s resumed: %d machine(s) silent now", input.provider, len(silent))
+            # Whoever is still silent fell silent during the hold: their grace begins now.
+            ending = _spared(input.provider, rule, silent, as_of, as_of)
+            spared += ending
+            silent = [m for m in silent if m not in ending]
+        elif why is not None:
             held, began = await bmdb.hold_recoveries(
                 input.provider,
                 reason=why,
@@ -160,10 +167,10 @@ class FleetActivities:
                     why,
                     input.provider,
                 )
-                return WatchdogResult([], len(silent), watched.count, hold)
+                return WatchdogResult([], len(silent), watched.count, hold, len(spared))
             log.warning("recoveries of provider %s held (%s) but released by %s", input.provider, why, held.released_by)
         signalled = await self._signal_silent(input.provider, silent)
-        return WatchdogResult(signalled, len(silent), watched.count, hold)
+        return WatchdogResult(signalled, len(silent), watched.count, hold, len(spared))
 
     @activity.defn
     async def signal_silent_machines(self, input: WatchdogInput) -> list[str]:
@@ -218,6 +225,22 @@ class FleetActivities:
         missing = [m for m in in_bmdb if machine_workflow_id(input.provider, m.provider_id) not in running]
         started = [p for p in await each_at_most(missing, TEMPORAL_CALLS_IN_FLIGHT, start) if p is not None]
         return EnsureWorkflowsResult(machines=len(in_bmdb), started=started)
+
+
+def _spared(
+    provider: str, rule: RecoveryHoldRule, silent: list[SilentMachine], ended: datetime | None, as_of: datetime
+) -> list[SilentMachine]:
+    """The silent machines that fell silent before a hold of the provider's recoveries ended, within its grace."""
+    spared = [m for m in silent if spared_after_hold(rule, last_seen=m.last_seen, hold_ended=ended, as_of=as_of)]
+    if spared and ended is not None:
+        log.info(
+            "%d %s machine(s) silent since before the hold ended at %s: left to come back until %s",
+            len(spared),
+            provider,
+            ended.isoformat(timespec="seconds"),
+            (ended + timedelta(seconds=rule.grace_after_hold)).isoformat(timespec="seconds"),
+        )
+    return spared
 
 
 def _hold_payload(held: HeldRecoveries) -> RecoveryHold:

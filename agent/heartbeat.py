@@ -13,7 +13,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from proto import agent_api_pb2
+from proto import AGENT_MAX_RETRY_INTERVAL, agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload
 
 # Never retry sooner than this, whatever the jitter draws.
@@ -51,7 +51,9 @@ class HeartbeatLoop:
     with capped exponential back-off and jitter (retry_delay): an outage on Shepherd's side, however long,
     must not leave the fleet without agents. Once a heartbeat was accepted, an answer that the agent is
     unknown or its key wrong means a newer agent took over: this one stops. (Before that, Shepherd may simply
-    not have recorded the key yet.)
+    not have recorded the key yet.) superseded tells, on the machine itself, that a newer agent has taken over
+    (the reference agent: agent.key holds another key), which also stops an agent whose key Shepherd never
+    recorded (its takeover's worker died before it could).
     """
 
     def __init__(
@@ -63,10 +65,11 @@ class HeartbeatLoop:
         *,
         interval: float = 30.0,
         retry_interval: float = 5.0,
-        max_retry_interval: float = 300.0,
+        max_retry_interval: float = AGENT_MAX_RETRY_INTERVAL,
         log: Callable[[str], None] = lambda line: None,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        superseded: Callable[[], bool] = lambda: False,
     ) -> None:
         self.machine_id = machine_id
         self.key = key
@@ -79,6 +82,7 @@ class HeartbeatLoop:
         self.sleep = sleep
         # Seeded from the OS per agent, so no two agents draw the same delays.
         self.rng = rng or random.Random(os.urandom(16))
+        self.superseded = superseded
 
     def run(self, call: Callable[..., Any] | None = None) -> str:
         """Heartbeat until a newer agent has taken over; returns why it stopped. call: the RPC (tests give one)."""
@@ -94,6 +98,8 @@ class HeartbeatLoop:
         accepted_once = False
         failures = 0
         while True:
+            if self.superseded():
+                return "a newer agent has taken over this machine"
             try:
                 response = call(signed_heartbeat(self.machine_id, self.key), timeout=10)
             except grpc.RpcError as error:

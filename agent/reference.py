@@ -108,7 +108,9 @@ def heartbeat(init: takeover_pb2.TakeoverInit) -> None:
     from agent.heartbeat import HeartbeatLoop, detach
 
     directory = state_dir()
-    key = Ed25519PrivateKey.from_private_bytes((directory / KEY_FILE).read_bytes())
+    key_path = directory / KEY_FILE
+    own_key = key_path.read_bytes()
+    key = Ed25519PrivateKey.from_private_bytes(own_key)
     if not detach():
         return
     log_path = directory / LOG_FILE
@@ -118,7 +120,15 @@ def heartbeat(init: takeover_pb2.TakeoverInit) -> None:
             file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
     log(f"agent for machine {init.machine_id} sending heartbeats to {init.endpoint}")
-    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, init.ca_certificate, log=log)
+
+    def superseded() -> bool:
+        # Every takeover writes its own key: another one there means a newer agent runs.
+        try:
+            return key_path.read_bytes() != own_key
+        except OSError:
+            return False
+
+    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, init.ca_certificate, log=log, superseded=superseded)
     try:
         log(f"stopped: {loop.run()}")
     except Exception as error:  # the daemon has no one else to tell

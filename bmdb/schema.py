@@ -99,8 +99,9 @@ recovery_reboots = Table(
     Column("cause", Text, nullable=False),
 )
 
-# The watchdog's circuit breaker: a row while a provider's recoveries are held (too many machines silent at
-# once, or no heartbeat from any machine), with the operator's release; deleted when the silence ends.
+# The watchdog's circuit breaker: a provider's hold of recoveries (too many machines silent at once, or no
+# heartbeat from any machine), with the operator's release; ended_at is set when the silence ends, and the
+# machines silent since before then get a grace to come back.
 recovery_holds = Table(
     "recovery_holds",
     metadata,
@@ -113,6 +114,7 @@ recovery_holds = Table(
     Column("released_at", DateTime(timezone=True)),
     Column("released_by", Text),
     Column("release_reason", Text),
+    Column("ended_at", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

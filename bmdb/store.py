@@ -78,6 +78,11 @@ class SilentMachine:
     # The silent agent's ed25519 public key: the signal names the agent it is about.
     agent_public_key: bytes = b""
 
+    @property
+    def last_seen(self) -> datetime:
+        """The agent's last sign of life: its last heartbeat, or its start."""
+        return self.agent_heartbeat_at or self.agent_started_at
+
     def cause(self) -> str:
         if self.agent_heartbeat_at is None:
             return f"no heartbeat since the agent started at {self.agent_started_at.isoformat(timespec='seconds')}"
@@ -92,6 +97,9 @@ class WatchedMachines:
     count: int
     # The newest heartbeat accepted from any machine of any provider; None when there is none.
     last_heartbeat_at: datetime | None
+    # Whether the provider's recoveries are held now; else when the last hold ended (None: there was none).
+    hold_standing: bool = False
+    hold_ended_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -469,7 +477,8 @@ class BMDB:
             ]
 
     async def watched_machines(self, provider: str) -> WatchedMachines:
-        """How many of the provider's machines have an agent to watch, and when BMDB last accepted a heartbeat."""
+        """How many of the provider's machines have an agent to watch, when BMDB last accepted a heartbeat, and
+        when the provider's last hold of recoveries ended."""
         watched = (
             select(func.count())
             .select_from(
@@ -483,10 +492,13 @@ class BMDB:
                 machine_provided.c.quarantined_since.is_(None),
             )
         )
+        hold = select(recovery_holds.c.ended_at).where(recovery_holds.c.provider == provider)
         async with self.engine.connect() as conn:
             count = int(await conn.scalar(watched) or 0)
             newest = await conn.scalar(select(func.max(machine_agent_heartbeat.c.agent_heartbeat_at)))
-            return WatchedMachines(count, newest)
+            row = (await conn.execute(hold)).first()
+            ended = None if row is None else row.ended_at
+            return WatchedMachines(count, newest, row is not None and ended is None, ended)
 
     async def hold_recoveries(
         self, provider: str, *, reason: str, silent_count: int, threshold: int, sample: Sequence[str]
@@ -496,33 +508,40 @@ class BMDB:
         A new hold is a ``recoveries_held`` fleet event; a standing one keeps its start and its release.
         """
         values = {"reason": reason, "silent_count": silent_count, "threshold": threshold, "sample": ", ".join(sample)}
+        fresh = {"held_since": func.now(), "released_at": None, "released_by": None, "release_reason": None}
         async with self.engine.begin() as conn:
-            standing = await conn.scalar(
-                select(recovery_holds.c.provider).where(recovery_holds.c.provider == provider).with_for_update()
-            )
-            if standing is None:
-                statement: Any = insert(recovery_holds).values(provider=provider, held_since=func.now(), **values)
-                detail = f"provider {provider}: {reason}; silent: {values['sample']}"
-                await conn.execute(insert(events).values(machine_id=None, kind="recoveries_held", detail=detail))
+            row = (
+                await conn.execute(
+                    select(recovery_holds).where(recovery_holds.c.provider == provider).with_for_update()
+                )
+            ).first()
+            began = row is None or row.ended_at is not None
+            if row is None:
+                statement: Any = insert(recovery_holds).values(provider=provider, **fresh, **values)
             else:
+                # An ended hold's row is where the next one begins.
                 statement = (
                     update(recovery_holds)
                     .where(recovery_holds.c.provider == provider)
-                    .values(updated_at=func.now(), **values)
+                    .values(updated_at=func.now(), **values, **({**fresh, "ended_at": None} if began else {}))
                 )
+            if began:
+                detail = f"provider {provider}: {reason}; silent: {values['sample']}"
+                await conn.execute(insert(events).values(machine_id=None, kind="recoveries_held", detail=detail))
             row = (await conn.execute(statement.returning(*recovery_holds.c))).one()
-            return _held(row), standing is None
+            return _held(row), began
 
     async def release_recoveries(self, provider: str, *, by: str, reason: str) -> tuple[HeldRecoveries | None, bool]:
         """An operator lets the held recoveries go ahead until the silence ends: (the hold, True when released now).
 
         (None, False) when the provider's recoveries are not held; an earlier release is kept as it was.
         """
+        standing = (recovery_holds.c.provider == provider, recovery_holds.c.ended_at.is_(None))
         async with self.engine.begin() as conn:
             row = (
                 await conn.execute(
                     update(recovery_holds)
-                    .where(recovery_holds.c.provider == provider, recovery_holds.c.released_at.is_(None))
+                    .where(*standing, recovery_holds.c.released_at.is_(None))
                     .values(released_at=func.now(), released_by=by, release_reason=reason, updated_at=func.now())
                     .returning(*recovery_holds.c)
                 )
@@ -531,15 +550,21 @@ class BMDB:
                 detail = f"provider {provider}: held recoveries released by {by}: {reason}"
                 await conn.execute(insert(events).values(machine_id=None, kind="recoveries_released", detail=detail))
                 return _held(row), True
-            row = (await conn.execute(select(recovery_holds).where(recovery_holds.c.provider == provider))).first()
+            row = (await conn.execute(select(recovery_holds).where(*standing))).first()
             return (None if row is None else _held(row)), False
 
     async def end_recovery_hold(self, provider: str, detail: str) -> HeldRecoveries | None:
-        """The silence is over: drop the provider's hold with a ``recoveries_resumed`` event; the hold there was."""
+        """The silence is over: end the provider's hold with a ``recoveries_resumed`` event; the hold there was.
+
+        The row stays with its end, which the watchdog's grace after a hold counts from.
+        """
         async with self.engine.begin() as conn:
             row = (
                 await conn.execute(
-                    delete(recovery_holds).where(recovery_holds.c.provider == provider).returning(*recovery_holds.c)
+                    update(recovery_holds)
+                    .where(recovery_holds.c.provider == provider, recovery_holds.c.ended_at.is_(None))
+                    .values(ended_at=func.now(), updated_at=func.now())
+                    .returning(*recovery_holds.c)
                 )
             ).first()
             if row is not None:
@@ -551,9 +576,11 @@ class BMDB:
             return None if row is None else _held(row)
 
     async def held_recoveries(self) -> list[HeldRecoveries]:
-        """Every provider whose recoveries are held, by provider name."""
+        """Every provider whose recoveries are held now, by provider name."""
         async with self.engine.connect() as conn:
-            rows = await conn.execute(select(recovery_holds).order_by(recovery_holds.c.provider))
+            rows = await conn.execute(
+                select(recovery_holds).where(recovery_holds.c.ended_at.is_(None)).order_by(recovery_holds.c.provider)
+            )
             return [_held(row) for row in rows]
 
     async def oldest_heartbeat_age(self) -> float | None:

@@ -294,6 +294,10 @@ class RecoveryHoldRule:
     # More silent machines than the larger of min_machines and fraction of the provider's watched machines.
     min_machines: int
     fraction: float
+    # No heartbeat accepted from any machine for this long: the heartbeat path looks down.
+    quiet_path_after: float
+    # After a hold ends, the machines silent since before its end get this long to come back.
+    grace_after_hold: float
 
 
 @dataclass(frozen=True)
@@ -352,6 +356,8 @@ class WatchdogResult:
     silent_count: int
     watched_count: int
     hold: RecoveryHold | None = None
+    # Silent since before the last hold ended, and still within its grace: left alone this pass.
+    spared: int = 0
 
 
 @dataclass(frozen=True)
@@ -416,4 +422,6 @@ class FleetPassResult:
     silent: list[str] = field(default_factory=list)
     # Set while the watchdog holds this provider's recoveries (silent machines left alone), or an operator released it.
     recoveries_held: RecoveryHold | None = None
+    # Machines silent since before a hold ended, left this pass to come back.
+    spared_after_hold: int = 0
     error: str | None = None

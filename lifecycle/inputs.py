@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from foundation.settings import Settings
 from lifecycle.contracts import Backoff, FleetInput, LifecyclePolicy, MachineInput, RecoveryHoldRule
+from proto import AGENT_MAX_RETRY_INTERVAL
 
 
 def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
@@ -58,4 +59,11 @@ def fleet_input(settings: Settings, provider: str) -> FleetInput:
 
 def recovery_hold_rule(settings: Settings) -> RecoveryHoldRule:
     """When the watchdog holds a provider's recoveries rather than signalling its silent machines."""
-    return RecoveryHoldRule(min_machines=settings.recovery_hold_min_machines, fraction=settings.recovery_hold_fraction)
+    return RecoveryHoldRule(
+        min_machines=settings.recovery_hold_min_machines,
+        fraction=settings.recovery_hold_fraction,
+        # Healthy agents call every interval: three without any heartbeat at all is the path, not the machines.
+        quiet_path_after=min(settings.heartbeat_timeout, 3 * settings.heartbeat_interval),
+        # Every live agent is back within its longest retry wait and an interval after the path is.
+        grace_after_hold=max(settings.heartbeat_timeout, AGENT_MAX_RETRY_INTERVAL + settings.heartbeat_interval),
+    )

@@ -9,6 +9,7 @@ outage into the operators' outage.
 from __future__ import annotations
 
 import math
+from datetime import datetime, timedelta
 
 from lifecycle.contracts import RecoveryHoldRule
 
@@ -18,18 +19,12 @@ def hold_threshold(rule: RecoveryHoldRule, watched: int) -> int:
     return max(rule.min_machines, math.ceil(rule.fraction * watched))
 
 
-def hold_reason(
-    rule: RecoveryHoldRule,
-    *,
-    silent: int,
-    watched: int,
-    last_heartbeat_age: float | None,
-    heartbeat_within: float,
-) -> str | None:
+def hold_reason(rule: RecoveryHoldRule, *, silent: int, watched: int, last_heartbeat_age: float | None) -> str | None:
     """Why this pass must hold the provider's recoveries; None when recovering the silent machines is safe.
 
     last_heartbeat_age: seconds since the newest heartbeat accepted from any machine of any provider (the heartbeat
-    path is shared), None when BMDB holds none.
+    path is shared), None when BMDB holds none. Healthy machines call every heartbeat interval, so a quiet path
+    shows long before any machine counts as silent, even in a fleet too small for the count to trip.
     """
     if silent == 0:
         return None
@@ -41,9 +36,22 @@ def hold_reason(
         )
     if last_heartbeat_age is None:
         return "no heartbeat accepted from any machine yet: the heartbeat path looks down"
-    if last_heartbeat_age > heartbeat_within:
+    if last_heartbeat_age > rule.quiet_path_after:
         return (
             f"no heartbeat accepted from any machine for {last_heartbeat_age:.0f}s "
-            f"(more than {heartbeat_within:g}s): the heartbeat path looks down"
+            f"(more than {rule.quiet_path_after:g}s): the heartbeat path looks down"
         )
     return None
+
+
+def spared_after_hold(
+    rule: RecoveryHoldRule, *, last_seen: datetime, hold_ended: datetime | None, as_of: datetime
+) -> bool:
+    """Whether a silent machine is left alone because it fell silent while its provider's recoveries were held.
+
+    Its agent may still be waiting out its retry back-off from our outage; it gets grace_after_hold from the
+    hold's end to come back before it is recovered.
+    """
+    if hold_ended is None or last_seen >= hold_ended:
+        return False
+    return as_of < hold_ended + timedelta(seconds=rule.grace_after_hold)

@@ -3,3 +3,8 @@
 The ``*_pb2`` modules are generated from the ``.proto`` files beside them by
 ``python -m proto.generate``; a test checks that they match.
 """
+
+# The longest an agent waits between two tries to reach the heartbeat server. After an outage on Shepherd's side
+# every live agent is back within this and one heartbeat interval, which the watchdog waits for before it
+# recovers the machines that fell silent during the outage.
+AGENT_MAX_RETRY_INTERVAL = 300.0

@@ -62,11 +62,33 @@ def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **
 
 
 @dataclass
+class HeartbeatPath:
+    """The stack's TLS heartbeat server, which a test may stop and start again on the same port (an outage)."""
+
+    tmp_path: Path
+    bmdb: BMDB
+    port: int = 0
+    server: grpc.aio.Server | None = None
+    ca_certificate: Path | None = None
+
+    async def start(self) -> str:
+        self.server, endpoint, self.ca_certificate = await start_heartbeat_server(self.tmp_path, self.bmdb, self.port)
+        self.port = int(endpoint.rpartition(":")[2])
+        return endpoint
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(None)
+            self.server = None
+
+
+@dataclass
 class FleetStack:
     settings: Settings
     client: Client
     simulator: Simulator
     deps: ActivityDeps
+    heartbeat_path: HeartbeatPath | None = None
 
     def environment(self, bmdb_url: str) -> dict[str, str]:
         """SHEPHERD_* variables that point a `shepherd` command at this stack."""
@@ -145,20 +167,20 @@ async def fleet_stack(
         sim_meter,
     )
     await simulator.start()
-    heartbeat_server = heartbeat_bmdb = None
+    heartbeat_path = None
     try:
         if heartbeats:
-            heartbeat_bmdb = BMDB(bmdb_url, pool_size=2)
-            heartbeat_server, endpoint, ca = await start_heartbeat_server(tmp_path, heartbeat_bmdb)
+            heartbeat_path = HeartbeatPath(tmp_path, BMDB(bmdb_url, pool_size=2))
+            endpoint = await heartbeat_path.start()
             setting_overrides = {
                 "agent_endpoint": endpoint,
-                "agent_endpoint_ca_certificate_path": ca,
+                "agent_endpoint_ca_certificate_path": heartbeat_path.ca_certificate,
                 **setting_overrides,
             }
         settings = stack_settings(tmp_path, simulator.api_url, temporal_client, **setting_overrides)
         deps = await open_activity_deps(settings, temporal_client, bmdb_url)
         try:
-            stack = FleetStack(settings, temporal_client, simulator, deps)
+            stack = FleetStack(settings, temporal_client, simulator, deps, heartbeat_path)
             if run_worker:
                 async with serving(temporal_client, deps):
                     yield stack
@@ -168,16 +190,16 @@ async def fleet_stack(
             await deps.close()
     finally:
         await simulator.stop()
-        if heartbeat_server is not None:
-            await heartbeat_server.stop(None)
-        if heartbeat_bmdb is not None:
-            await heartbeat_bmdb.close()
+        if heartbeat_path is not None:
+            await heartbeat_path.stop()
+            await heartbeat_path.bmdb.close()
 
 
-async def start_heartbeat_server(tmp_path: Path, bmdb: BMDB) -> tuple[grpc.aio.Server, str, Path]:
+async def start_heartbeat_server(tmp_path: Path, bmdb: BMDB, port: int = 0) -> tuple[grpc.aio.Server, str, Path]:
     """A TLS heartbeat server asking for a heartbeat every 0.3 s: (server, endpoint, CA file)."""
     certificates = local_certificates(tmp_path / "tls")
     service = HeartbeatService(bmdb, interval=0.3, max_skew=60.0)
-    server, port = build_server(service, "127.0.0.1:0", (certificates.server_certificate, certificates.server_key))
+    listen = f"127.0.0.1:{port}"
+    server, port = build_server(service, listen, (certificates.server_certificate, certificates.server_key))
     await server.start()
     return server, f"127.0.0.1:{port}", certificates.ca_certificate

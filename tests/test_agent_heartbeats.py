@@ -45,15 +45,21 @@ async def heartbeat_after(bmdb: BMDB, machine_id, after: datetime | None, limit:
     raise AssertionError(f"no heartbeat after {after} within {limit}s")
 
 
-def agent_running(state_dir: Path) -> bool:
+def agents_running(state_dir: Path) -> int:
+    """How many agent processes run with that state directory."""
     marker = f"{STATE_DIR_VARIABLE}={state_dir}".encode()
+    count = 0
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
-                return True
+                count += 1
         except OSError:
             continue
-    return False
+    return count
+
+
+def agent_running(state_dir: Path) -> bool:
+    return agents_running(state_dir) > 0
 
 
 async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_a_newer_agent(tmp_path, bmdb):
@@ -97,6 +103,50 @@ async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_
             await asyncio.sleep(0.1)
         assert not agent_running(state_dir)
         assert "a newer agent has taken over" in (state_dir / LOG_FILE).read_text()
+    finally:
+        kill_processes_mentioning(str(state_dir))
+        await server.stop(None)
+
+
+async def test_an_agent_never_recorded_stops_when_a_newer_agent_takes_the_machine(tmp_path, bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    server, port = await start_server(bmdb, tmp_path)
+    ca_der = x509.load_pem_x509_certificate(
+        local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
+    ).public_bytes(Encoding.DER)
+    init = takeover_pb2.TakeoverInit(machine_id=str(machine_id), endpoint=f"127.0.0.1:{port}", ca_certificate=ca_der)
+    state_dir = tmp_path / "agent-state"
+    state_dir.mkdir()
+    executable = build_agent_executable(tmp_path / "agent")
+
+    async def take_over() -> takeover_pb2.TakeoverResponse:
+        completed = await asyncio.to_thread(
+            subprocess.run,
+            [str(executable)],
+            input=init.SerializeToString(),
+            capture_output=True,
+            env={STATE_DIR_VARIABLE: str(state_dir), "PATH": "/usr/bin:/bin"},
+            timeout=30,
+            check=True,
+        )
+        return takeover_pb2.TakeoverResponse.FromString(completed.stdout)
+
+    try:
+        # The first takeover's worker dies before recording the key: that agent is refused, and keeps trying.
+        await take_over()
+        await asyncio.sleep(1.0)
+        assert agent_running(state_dir)
+        # The retried takeover starts a newer agent on the machine: the stray one sees it and stops.
+        newer = await take_over()
+        await bmdb.record_agent_started(machine_id, datetime.now(UTC), newer.success.key)
+        await heartbeat_after(bmdb, machine_id, None)
+        log = state_dir / LOG_FILE
+        for _ in range(300):
+            if "a newer agent has taken over this machine" in log.read_text():
+                break
+            await asyncio.sleep(0.1)
+        assert "stopped: a newer agent has taken over this machine" in log.read_text()
+        assert agents_running(state_dir) == 1, "only the newer agent runs"
     finally:
         kill_processes_mentioning(str(state_dir))
         await server.stop(None)
@@ -152,3 +202,24 @@ def test_the_agent_never_gives_up_and_stops_only_when_refused_after_acceptance()
     assert len(set(slept[100:503])) > 300  # jittered, not in step
     # The log grows with the logarithm of the outage, not with it.
     assert len(log) < 25 and log[-1] == "heartbeat accepted again after 1 failure(s)"
+
+
+def test_an_agent_whose_key_was_never_recorded_stops_once_a_newer_agent_runs_on_its_machine():
+    # Its takeover's worker died before recording the key: Shepherd refuses it, and it cannot tell why.
+    calls: list[str] = []
+    checks = iter([False] * 5 + [True])
+
+    def call(request: agent_api_pb2.HeartbeatRequest, timeout: float) -> agent_api_pb2.HeartbeatResponse:
+        calls.append(request.machine_id)
+        raise Refused(grpc.StatusCode.UNAUTHENTICATED)
+
+    loop = HeartbeatLoop(
+        str(uuid.uuid4()),
+        Ed25519PrivateKey.generate(),
+        "h:1",
+        b"",
+        sleep=lambda _: None,
+        superseded=lambda: next(checks),
+    )
+    assert loop.run(call) == "a newer agent has taken over this machine"
+    assert len(calls) == 5

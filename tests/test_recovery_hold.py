@@ -13,14 +13,16 @@ import pytest
 from bmdb.store import BMDB
 from foundation.settings import Settings, SettingsError
 from lifecycle.contracts import MachineStage, RecoveryHoldRule
-from lifecycle.watchdog import hold_reason, hold_threshold
+from lifecycle.inputs import recovery_hold_rule
+from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold
 from processes.worker import ensure_fleet_schedules
+from proto import AGENT_MAX_RETRY_INTERVAL
 from shepherd.commands.fleet import FleetAction, print_fleet
 from tests.fleet_stack import fleet_stack
 from tests.test_fleet import sim_admin
 from tests.test_recovery import wait_for
 
-RULE = RecoveryHoldRule(min_machines=5, fraction=0.1)
+RULE = RecoveryHoldRule(min_machines=5, fraction=0.1, quiet_path_after=90.0, grace_after_hold=600.0)
 WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
 
 
@@ -40,15 +42,39 @@ def test_threshold_is_the_larger_of_the_count_and_the_fraction():
         (20, 20, 1.0, "20 of 20 watched machines silent at once"),
         (10, 100, 1.0, None),
         (11, 100, 1.0, "11 of 100 watched machines silent at once, more than 10"),
-        (1, 20, 700.0, "no heartbeat accepted from any machine for 700s (more than 600s)"),
+        (1, 20, 60.0, None),  # others still call: one machine's silence is its own
+        (1, 20, 100.0, "no heartbeat accepted from any machine for 100s (more than 90s)"),
         (1, 1, None, "no heartbeat accepted from any machine yet"),
     ],
 )
 def test_hold_reason(silent: int, watched: int, age: float | None, held: str | None):
-    reason = hold_reason(RULE, silent=silent, watched=watched, last_heartbeat_age=age, heartbeat_within=600.0)
+    reason = hold_reason(RULE, silent=silent, watched=watched, last_heartbeat_age=age)
     assert (reason is None) == (held is None), reason
     if held is not None:
         assert reason is not None and reason.startswith(held)
+
+
+def test_machines_silent_since_before_a_hold_ended_get_the_grace_to_come_back():
+    ended = datetime(2026, 11, 23, 3, 0, tzinfo=UTC)
+    before, after = ended - timedelta(minutes=5), ended + timedelta(seconds=1)
+
+    def spared(last_seen: datetime, minutes_after_the_end: float, hold_ended: datetime | None = ended) -> bool:
+        as_of = ended + timedelta(minutes=minutes_after_the_end)
+        return spared_after_hold(RULE, last_seen=last_seen, hold_ended=hold_ended, as_of=as_of)
+
+    assert spared(before, 1) and spared(before, 9.9)
+    assert not spared(before, 10), "the grace is over: a machine still silent is recovered"
+    assert not spared(after, 1), "it came back after the hold and fell silent again: its own silence"
+    assert not spared(before, 1, hold_ended=None)
+
+
+def test_the_rule_from_settings_covers_the_agents_longest_retry():
+    rule = recovery_hold_rule(Settings())
+    assert (rule.min_machines, rule.fraction) == (5, 0.1)
+    assert rule.quiet_path_after == 90.0, "three heartbeat intervals of 30s"
+    assert rule.grace_after_hold == 600.0, "the heartbeat timeout, above the agents' 300s retry cap and an interval"
+    short = recovery_hold_rule(Settings(heartbeat_timeout=20.0, heartbeat_interval=5.0))
+    assert (short.quiet_path_after, short.grace_after_hold) == (15.0, AGENT_MAX_RETRY_INTERVAL + 5.0)
 
 
 @pytest.mark.parametrize(
@@ -82,11 +108,19 @@ async def test_a_hold_begins_once_is_released_once_and_ends_with_the_silence(bmd
     assert (await bmdb.end_recovery_hold("sim", "2 silent")) is not None
     assert await bmdb.end_recovery_hold("sim", "0 silent") is None
     assert await bmdb.held_recoveries() == []
+    assert (await bmdb.watched_machines("sim")).hold_ended_at is not None
+    assert await bmdb.release_recoveries("sim", by="bob", reason="late") == (None, False)
+
+    # The next surge is a new hold: its own start, no release.
+    fresh, began = await bmdb.hold_recoveries("sim", reason="30 silent", silent_count=30, threshold=5, sample=["c"])
+    assert began and fresh.held_since > held.held_since and fresh.released_at is None
+    assert (await bmdb.watched_machines("sim")).hold_ended_at is None
     kinds = [(e.kind, e.detail) for e in reversed(await bmdb.list_events(None))]
     assert kinds == [
         ("recoveries_held", "provider sim: 20 silent; silent: a, b"),
         ("recoveries_released", "provider sim: held recoveries released by alice@ops: the rack lost power"),
         ("recoveries_resumed", "provider sim: 2 silent"),
+        ("recoveries_held", "provider sim: 30 silent; silent: c"),
     ]
 
 
@@ -185,3 +219,40 @@ async def test_no_heartbeat_from_any_machine_holds_even_a_few_silent_ones(tmp_pa
         assert "no heartbeat accepted from any machine for" in result.recoveries_held.reason
         for provider_id in ("node-0001", "node-0002"):
             assert (await stack.status(provider_id)).recovery_requested is None
+
+
+async def test_a_heartbeat_outage_longer_than_the_timeout_reboots_no_machine(tmp_path, temporal_client, bmdb_url, bmdb):
+    machines = ["node-0001", "node-0002", "node-0003"]
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=3, heartbeats=True, **WATCH) as stack:
+        assert stack.heartbeat_path is not None
+        await stack.run_pass()
+        await stack.wait_for_stage(machines, MachineStage.WATCHING)
+        await wait_for(lambda: _all_heartbeating(bmdb, 3), what="every agent's first heartbeat")
+
+        await stack.heartbeat_path.stop()
+        await asyncio.sleep(WATCH["heartbeat_timeout"] + 1.5)
+        held = await stack.run_pass()
+        assert held.silent == [] and held.recoveries_held is not None
+        restarted = datetime.now(UTC)
+        await stack.heartbeat_path.start()
+
+        # Passes go on while the agents come back, each at its own jittered retry.
+        async def every_agent_back() -> bool:
+            result = await stack.run_pass()
+            assert result.silent == [], f"a pass after the outage signalled {result.silent}"
+            return await _all_heartbeating(bmdb, 3, since=restarted) and result.recoveries_held is None
+
+        await wait_for(every_agent_back, limit=60, what="every agent back after the outage")
+        for _ in range(2):
+            assert (await stack.run_pass()).silent == []
+        for provider_id in machines:
+            assert (await stack.status(provider_id)).recovery_count == 0
+        assert [e.kind for e in await bmdb.list_events(None)] == ["recoveries_resumed", "recoveries_held"]
+        for record in await bmdb.list_machines():
+            assert "rebooted" not in [e.kind for e in await bmdb.list_events(record.machine_id)]
+
+
+async def _all_heartbeating(bmdb: BMDB, count: int, since: datetime | None = None) -> bool:
+    records = await bmdb.list_machines()
+    beating = [r for r in records if r.agent_heartbeat_at and (since is None or r.agent_heartbeat_at > since)]
+    return len(beating) == count

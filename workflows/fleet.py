@@ -95,6 +95,7 @@ class FleetWorkflow:
                 )
                 result.silent = watched.signalled
                 result.recoveries_held = watched.hold
+                result.spared_after_hold = watched.spared
             else:
                 result.silent = await workflow.execute_activity_method(
                     FleetActivities.signal_silent_machines,

@@ -1,4 +1,4 @@
-"""The watchdog's recovery holds: one row per provider whose recoveries are held, with the operator's release.
+"""The watchdog's recovery holds: one row per provider, its hold's start, the operator's release and its end.
 
 Revision ID: 0004
 Revises: 0003
@@ -27,6 +27,7 @@ def upgrade() -> None:
         sa.Column("released_at", sa.DateTime(timezone=True)),
         sa.Column("released_by", sa.Text),
         sa.Column("release_reason", sa.Text),
+        sa.Column("ended_at", sa.DateTime(timezone=True)),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     )
 
