@@ -20,6 +20,8 @@ from pathlib import Path
 
 import asyncssh
 
+from foundation.procfs import processes_with_variable
+
 log = logging.getLogger("simulator.machine")
 
 EXIT_NOT_FOUND = 127
@@ -126,19 +128,11 @@ class SimulatedMachine:
         A detached agent may have left the process group it was started in, so
         processes are found by the machine marker in their environment.
         """
-        marker = f"SHEPHERD_SIM_MACHINE_ROOT={self.root_fs}".encode()
         killed = 0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                environment = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if marker in environment:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    killed += 1
+        for pid in processes_with_variable(f"SHEPHERD_SIM_MACHINE_ROOT={self.root_fs}".encode()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
         return killed
 
     async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:

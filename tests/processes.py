@@ -5,22 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from pathlib import Path
+
+from foundation.procfs import processes_mentioning
 
 
 def kill_processes_mentioning(text: str) -> int:
     """SIGKILL every process whose command line or environment contains text; how many."""
-    needle = text.encode()
     killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            details = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in details:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
+    for pid in processes_mentioning(text):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
     return killed

@@ -6,10 +6,13 @@ import asyncio
 import random
 import subprocess
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding
@@ -18,6 +21,7 @@ from agent.build import build_agent_executable
 from agent.heartbeat import MIN_RETRY_DELAY, HeartbeatLoop, retry_delay
 from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
+from foundation.procfs import processes_with_variable
 from foundation.tls import local_certificates
 from processes.heartbeat_server import HeartbeatService, build_server
 from proto import agent_api_pb2, takeover_pb2
@@ -47,109 +51,100 @@ async def heartbeat_after(bmdb: BMDB, machine_id, after: datetime | None, limit:
 
 def agents_running(state_dir: Path) -> int:
     """How many agent processes run with that state directory."""
-    marker = f"{STATE_DIR_VARIABLE}={state_dir}".encode()
-    count = 0
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
-                count += 1
-        except OSError:
-            continue
-    return count
+    return len(processes_with_variable(f"{STATE_DIR_VARIABLE}={state_dir}".encode()))
 
 
 def agent_running(state_dir: Path) -> bool:
     return agents_running(state_dir) > 0
 
 
-async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_a_newer_agent(tmp_path, bmdb):
-    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
-    server, port = await start_server(bmdb, tmp_path)
-    ca_der = x509.load_pem_x509_certificate(
-        local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
-    ).public_bytes(Encoding.DER)
-    init = takeover_pb2.TakeoverInit(machine_id=str(machine_id), endpoint=f"127.0.0.1:{port}", ca_certificate=ca_der)
-    state_dir = tmp_path / "agent-state"
-    state_dir.mkdir()
-    try:
+@dataclass
+class AgentMachine:
+    """A machine for the built agent: its BMDB id, the heartbeat server it is told, its state directory."""
+
+    machine_id: uuid.UUID
+    server: grpc.aio.Server
+    port: int
+    init: takeover_pb2.TakeoverInit
+    state_dir: Path
+    executable: Path
+
+    async def take_over(self) -> takeover_pb2.TakeoverResponse:
+        """Run the agent as a takeover does; it answers, detaches and stays."""
         completed = await asyncio.to_thread(
             subprocess.run,
-            [str(build_agent_executable(tmp_path / "agent"))],
-            input=init.SerializeToString(),
+            [str(self.executable)],
+            input=self.init.SerializeToString(),
             capture_output=True,
-            env={STATE_DIR_VARIABLE: str(state_dir), "PATH": "/usr/bin:/bin"},
-            timeout=30,
-            check=True,
-        )
-        # The SSH session would end here: the agent answered and detached.
-        response = takeover_pb2.TakeoverResponse.FromString(completed.stdout)
-        assert response.WhichOneof("result") == "success"
-        assert agent_running(state_dir)
-        await bmdb.record_agent_started(machine_id, datetime.now(UTC), response.success.key)
-        first = await heartbeat_after(bmdb, machine_id, None)
-
-        # The server goes away for a while; the agent keeps trying and catches up when it is back.
-        await server.stop(None)
-        await asyncio.sleep(1.0)
-        assert agent_running(state_dir)
-        server, _ = await start_server(bmdb, tmp_path, port)
-        await heartbeat_after(bmdb, machine_id, first)
-
-        # A newer agent took over (another key): this one is refused and stops.
-        await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"\x01" * 32)
-        for _ in range(300):
-            if not agent_running(state_dir):
-                break
-            await asyncio.sleep(0.1)
-        assert not agent_running(state_dir)
-        assert "a newer agent has taken over" in (state_dir / LOG_FILE).read_text()
-    finally:
-        kill_processes_mentioning(str(state_dir))
-        await server.stop(None)
-
-
-async def test_an_agent_never_recorded_stops_when_a_newer_agent_takes_the_machine(tmp_path, bmdb):
-    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
-    server, port = await start_server(bmdb, tmp_path)
-    ca_der = x509.load_pem_x509_certificate(
-        local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
-    ).public_bytes(Encoding.DER)
-    init = takeover_pb2.TakeoverInit(machine_id=str(machine_id), endpoint=f"127.0.0.1:{port}", ca_certificate=ca_der)
-    state_dir = tmp_path / "agent-state"
-    state_dir.mkdir()
-    executable = build_agent_executable(tmp_path / "agent")
-
-    async def take_over() -> takeover_pb2.TakeoverResponse:
-        completed = await asyncio.to_thread(
-            subprocess.run,
-            [str(executable)],
-            input=init.SerializeToString(),
-            capture_output=True,
-            env={STATE_DIR_VARIABLE: str(state_dir), "PATH": "/usr/bin:/bin"},
+            env={STATE_DIR_VARIABLE: str(self.state_dir), "PATH": "/usr/bin:/bin"},
             timeout=30,
             check=True,
         )
         return takeover_pb2.TakeoverResponse.FromString(completed.stdout)
 
+
+@pytest.fixture
+async def agent_machine(tmp_path: Path, bmdb: BMDB) -> AsyncIterator[AgentMachine]:
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    server, port = await start_server(bmdb, tmp_path)
+    ca_der = x509.load_pem_x509_certificate(
+        local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
+    ).public_bytes(Encoding.DER)
+    init = takeover_pb2.TakeoverInit(machine_id=str(machine_id), endpoint=f"127.0.0.1:{port}", ca_certificate=ca_der)
+    state_dir = tmp_path / "agent-state"
+    state_dir.mkdir()
+    machine = AgentMachine(machine_id, server, port, init, state_dir, build_agent_executable(tmp_path / "agent"))
     try:
-        # The first takeover's worker dies before recording the key: that agent is refused, and keeps trying.
-        await take_over()
-        await asyncio.sleep(1.0)
-        assert agent_running(state_dir)
-        # The retried takeover starts a newer agent on the machine: the stray one sees it and stops.
-        newer = await take_over()
-        await bmdb.record_agent_started(machine_id, datetime.now(UTC), newer.success.key)
-        await heartbeat_after(bmdb, machine_id, None)
-        log = state_dir / LOG_FILE
-        for _ in range(300):
-            if "a newer agent has taken over this machine" in log.read_text():
-                break
-            await asyncio.sleep(0.1)
-        assert "stopped: a newer agent has taken over this machine" in log.read_text()
-        assert agents_running(state_dir) == 1, "only the newer agent runs"
+        yield machine
     finally:
         kill_processes_mentioning(str(state_dir))
-        await server.stop(None)
+        await machine.server.stop(None)
+
+
+async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_a_newer_agent(
+    tmp_path, bmdb, agent_machine
+):
+    machine_id, state_dir = agent_machine.machine_id, agent_machine.state_dir
+    # The SSH session would end once it answered: the agent detached.
+    response = await agent_machine.take_over()
+    assert response.WhichOneof("result") == "success"
+    assert agent_running(state_dir)
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), response.success.key)
+    first = await heartbeat_after(bmdb, machine_id, None)
+
+    # The server goes away for a while; the agent keeps trying and catches up when it is back.
+    await agent_machine.server.stop(None)
+    await asyncio.sleep(1.0)
+    assert agent_running(state_dir)
+    agent_machine.server, _ = await start_server(bmdb, tmp_path, agent_machine.port)
+    await heartbeat_after(bmdb, machine_id, first)
+
+    # A newer agent took over (another key): this one is refused and stops.
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"\x01" * 32)
+    for _ in range(300):
+        if not agent_running(state_dir):
+            break
+        await asyncio.sleep(0.1)
+    assert not agent_running(state_dir)
+    assert "a newer agent has taken over" in (state_dir / LOG_FILE).read_text()
+
+
+async def test_an_agent_never_recorded_stops_when_a_newer_agent_takes_the_machine(bmdb, agent_machine):
+    # The first takeover's worker dies before recording the key: that agent is refused, and keeps trying.
+    await agent_machine.take_over()
+    await asyncio.sleep(1.0)
+    assert agent_running(agent_machine.state_dir)
+    # The retried takeover starts a newer agent on the machine: the stray one sees it and stops.
+    newer = await agent_machine.take_over()
+    await bmdb.record_agent_started(agent_machine.machine_id, datetime.now(UTC), newer.success.key)
+    await heartbeat_after(bmdb, agent_machine.machine_id, None)
+    log = agent_machine.state_dir / LOG_FILE
+    for _ in range(300):
+        if "a newer agent has taken over this machine" in log.read_text():
+            break
+        await asyncio.sleep(0.1)
+    assert "stopped: a newer agent has taken over this machine" in log.read_text()
+    assert agents_running(agent_machine.state_dir) == 1, "only the newer agent runs"
 
 
 def test_retry_delays_grow_to_the_cap_with_jitter_that_sets_agents_apart():

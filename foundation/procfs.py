@@ -1,0 +1,45 @@
+"""The processes of this host, as /proc shows them: for finding what a run started, detached ones included.
+
+A detached process may have left the session and process group it was started in, so the processes a test,
+a benchmark or a simulated machine started are found by a marker in their command line or environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def process_environments() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, its NAME=value variables) of every process this user may read, other than this one."""
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            yield int(entry.name), (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+
+
+def processes_with_variable(variable: bytes) -> list[int]:
+    """Pids of the processes whose environment holds exactly that NAME=value."""
+    return [pid for pid, environment in process_environments() if variable in environment]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of the processes, other than this one, whose command line or environment contains text."""
+    needle = text.encode()
+    found = []
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            details = (entry / "cmdline").read_bytes() + b"\0" + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in details:
+            found.append(int(entry.name))
+    return found
