@@ -17,7 +17,7 @@ from lifecycle.inputs import recovery_hold_rule
 from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold
 from processes.worker import ensure_fleet_schedules
 from proto import AGENT_MAX_RETRY_INTERVAL
-from shepherd.commands.fleet import FleetAction, print_fleet
+from shepherd.commands.fleet import FleetAction, FleetPass, format_passes, held_lines, print_fleet
 from tests.fleet_stack import fleet_stack
 from tests.test_fleet import sim_admin
 from tests.test_recovery import wait_for
@@ -256,3 +256,26 @@ async def _all_heartbeating(bmdb: BMDB, count: int, since: datetime | None = Non
     records = await bmdb.list_machines()
     beating = [r for r in records if r.agent_heartbeat_at and (since is None or r.agent_heartbeat_at > since)]
     return len(beating) == count
+
+
+def test_shepherd_fleet_shows_a_released_hold_and_the_spared_machines():
+    hold = {
+        "provider": "rack1",
+        "since": "2026-11-23T03:12:09.5+00:00",
+        "reason": "180 of 200 watched machines silent at once, more than 20",
+        "silent_count": 180,
+        "threshold": 20,
+        "sample": ["node-0001", "node-0002"],
+        "released_at": "2026-11-23T03:40:00+00:00",
+        "released_by": "alice@ops",
+        "release_reason": "rack 4 PDU replaced",
+    }
+    passes = [FleetPass(datetime(2026, 11, 23, 3, 41), "completed", {"recoveries_held": hold, "spared_after_hold": 3})]
+    assert held_lines(passes) == [
+        "RECOVERIES HELD since 2026-11-23 03:12:09: 180 of 200 watched machines silent at",
+        "  once, more than 20",
+        "  silent: node-0001, node-0002 ...",
+        "  released by alice@ops: rack 4 PDU replaced",
+    ]
+    assert "  spared: 3 silent since before a hold ended, given time to come back" in format_passes(passes)
+    assert held_lines([FleetPass(None, "completed", {"silent": []})]) == []

@@ -211,6 +211,9 @@ def format_passes(passes: list[FleetPass]) -> list[str]:
         if result.get("silent"):
             silent = ", ".join(result["silent"])
             lines += textwrap.wrap(silent, 80, initial_indent="  silent: ", subsequent_indent="          ")
+        if result.get("spared_after_hold"):
+            spared = result["spared_after_hold"]
+            lines.append(f"  spared: {spared} silent since before a hold ended, given time to come back")
     if len(lines) == 1:
         lines.append("(no passes yet)")
     return lines
