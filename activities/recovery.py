@@ -1,4 +1,5 @@
-"""RECOVERING: reboot the machine through its provider once per recovery cycle, record it, wait for the boot."""
+"""RECOVERING: reboot the machine through its provider once per recovery cycle, record it, wait for the boot;
+and the BMDB marks of machines that need an operator (quarantined, stuck)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from datetime import timedelta
 from temporalio import activity
 
 from activities.deps import ActivityDeps, provider_errors
-from lifecycle.contracts import BootWaitInput, BootWaitResult, QuarantineInput, RebootInput, RebootResult
+from lifecycle.contracts import (
+    BootWaitInput,
+    BootWaitResult,
+    QuarantineInput,
+    RebootInput,
+    RebootResult,
+    StuckInput,
+)
 from lifecycle.takeover import wait_until_booted
 
 log = logging.getLogger(__name__)
@@ -93,6 +101,11 @@ class RecoveryActivities:
         """Mark the machine quarantined in BMDB (the watchdog then leaves it out), or released; with an event."""
         if not await self.deps.bmdb.set_quarantined(uuid.UUID(input.machine_id), input.quarantined, input.detail):
             log.info("machine %s was %s already", input.machine_id, "quarantined" if input.quarantined else "released")
+
+    @activity.defn
+    async def record_stuck(self, input: StuckInput) -> None:
+        """Flag the machine stuck in BMDB (its stage outlasted its deadline), or clear the flag; with an event."""
+        await self.deps.bmdb.set_stuck(uuid.UUID(input.machine_id), input.stuck, input.detail)
 
     @activity.defn
     async def reboot_machine(self, input: RebootInput) -> None:

@@ -49,6 +49,8 @@ machine_provided = Table(
     Column("missing_since", DateTime(timezone=True)),
     # Since when the machine is quarantined: recovered too often, it waits for an operator and is not watched.
     Column("quarantined_since", DateTime(timezone=True)),
+    # Since when the machine's provisioning or agent start has outlasted its deadline; it keeps trying.
+    Column("stuck_since", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("provider", "provider_id", name="machine_provided_provider_key"),
 )

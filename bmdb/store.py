@@ -65,6 +65,8 @@ class MachineRecord:
     agent_heartbeat_at: datetime | None
     # Since when the provider no longer lists it; None while it does.
     missing_since: datetime | None = None
+    # Since when its provisioning or agent start has outlasted its deadline; None when not stuck.
+    stuck_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -315,6 +317,7 @@ class BMDB:
                     agent_public_key=r.agent_public_key,
                     agent_heartbeat_at=r.agent_heartbeat_at,
                     missing_since=r.missing_since,
+                    stuck_since=r.stuck_since,
                 )
                 for r in await conn.execute(query)
             ]
@@ -614,18 +617,37 @@ class BMDB:
 
     async def set_quarantined(self, machine_id: uuid.UUID, quarantined: bool, detail: str) -> bool:
         """Mark the machine quarantined (event ``quarantined``) or released (``released``); False if it was already."""
-        column = machine_provided.c.quarantined_since
-        not_yet = column.is_(None) if quarantined else column.is_not(None)
+        kind = "quarantined" if quarantined else "released"
+        return await self._mark(machine_provided.c.quarantined_since, machine_id, quarantined, kind, detail)
+
+    async def set_stuck(self, machine_id: uuid.UUID, stuck: bool, detail: str) -> bool:
+        """Flag the machine stuck (event ``stuck``) or clear the flag (``unstuck``); False if it was already."""
+        return await self._mark(
+            machine_provided.c.stuck_since, machine_id, stuck, "stuck" if stuck else "unstuck", detail
+        )
+
+    async def count_stuck(self) -> dict[str, int]:
+        """Provider -> machines flagged stuck, for every provider that has one."""
+        query = (
+            select(machine_provided.c.provider, func.count())
+            .where(machine_provided.c.stuck_since.is_not(None))
+            .group_by(machine_provided.c.provider)
+        )
+        async with self.engine.connect() as conn:
+            return {str(provider): int(n) for provider, n in await conn.execute(query)}
+
+    async def _mark(self, column: Any, machine_id: uuid.UUID, on: bool, kind: str, detail: str) -> bool:
+        """Set a since-column of the machine to now (on) or clear it, with an event; False if it was so already."""
+        not_yet = column.is_(None) if on else column.is_not(None)
         async with self.engine.begin() as conn:
             changed = await conn.execute(
                 update(machine_provided)
                 .where(machine_provided.c.machine_id == machine_id, not_yet)
-                .values(quarantined_since=func.now() if quarantined else None, updated_at=func.now())
+                .values({column.name: func.now() if on else None, "updated_at": func.now()})
                 .returning(machine_provided.c.machine_id)
             )
             if changed.first() is None:
                 return False
-            kind = "quarantined" if quarantined else "released"
             await conn.execute(insert(events).values(machine_id=machine_id, kind=kind, detail=detail))
             return True
 

@@ -51,6 +51,7 @@ class WorkerMetrics:
     heartbeat_age_max: MetricGaugeFloat
     machines_silent: MetricGauge
     recoveries_held: MetricGauge
+    machines_stuck: MetricGauge
 
     @classmethod
     def on(cls, meter: MetricMeter) -> WorkerMetrics:
@@ -71,5 +72,9 @@ class WorkerMetrics:
             recoveries_held=meter.create_gauge(
                 "shepherd_recoveries_held",
                 "Silent machines the watchdog holds from recovery, by provider instance; alert when above 0",
+            ),
+            machines_stuck=meter.create_gauge(
+                "shepherd_machines_stuck",
+                "Machines whose provisioning or agent start outlasted its deadline, by provider instance",
             ),
         )

@@ -163,6 +163,9 @@ class Settings:
     provision_backoff_maximum: float = _duration(3600.0, "Longest wait between provisioning attempts")
     provision_backoff_multiplier: float = _setting(1.2, "Growth of the provisioning wait")
 
+    provisioning_deadline: float = _duration(3600.0, "PROVISIONING longer than this: flag the machine stuck")
+    agent_start_deadline: float = _duration(4 * 3600.0, "AGENT_STARTING longer than this: flag the machine stuck")
+
     recovery_backoff_initial: float = _duration(60.0, "First wait after a failed recovery reboot")
     recovery_backoff_maximum: float = _duration(3600.0, "Longest wait between recovery reboots")
     recovery_backoff_multiplier: float = _setting(1.2, "Growth of the recovery wait")

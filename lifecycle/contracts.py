@@ -128,6 +128,9 @@ class LifecyclePolicy:
     # None (workflows started before the budget existed): no budget.
     recovery_budget: int | None = None
     recovery_budget_window: float | None = None
+    # Seconds in PROVISIONING or AGENT_STARTING after which the machine is flagged stuck; None: never.
+    provisioning_deadline: float | None = None
+    agent_start_deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,24 @@ class Quarantine:
     since: str
     reason: str
     recoveries: list[RecoveryRecord]
+
+
+@dataclass
+class Stuck:
+    """A machine whose PROVISIONING or AGENT_STARTING outlasted its deadline: flagged, and still trying."""
+
+    since: str
+    reason: str
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class StuckInput:
+    """Input of the record_stuck activity: flag the machine stuck in BMDB, or clear the flag, with why."""
+
+    machine_id: str
+    stuck: bool
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -211,6 +232,7 @@ class MachineStatus:
     waiting_for_boot_since: str | None = None
     recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
     quarantine: Quarantine | None = None
+    stuck: Stuck | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
         boot_deadline=settings.boot_deadline,
         recovery_budget=settings.recovery_budget,
         recovery_budget_window=settings.recovery_budget_window,
+        provisioning_deadline=settings.provisioning_deadline,
+        agent_start_deadline=settings.agent_start_deadline,
     )
 
 

@@ -82,6 +82,7 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
                 fleet.signal_silent_machines,
                 recovery.record_reboot,
                 recovery.record_quarantine,
+                recovery.record_stuck,
             ],
             max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
             **common,
@@ -171,7 +172,7 @@ async def _ensure_fleet_schedule(
 
 
 async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event) -> None:
-    """Keep this worker's fleet gauges current: machines per stage, heartbeat age, silent and held machines.
+    """Keep this worker's fleet gauges current: machines per stage, heartbeat age, silent, held and stuck machines.
 
     Every worker reports the same numbers; dashboards take the max over workers.
     """
@@ -191,11 +192,13 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
                     heartbeat_within=settings.heartbeat_timeout,
                 )
                 deps.metrics.machines_silent.set(len(silent), {"provider": instance.name})
+            stuck = await deps.bmdb.count_stuck()
             held = {hold.provider: hold for hold in await deps.bmdb.held_recoveries()}
             for instance in settings.provider_instances:
                 hold = held.get(instance.name)
                 count = hold.silent_count if hold is not None and hold.released_at is None else 0
                 deps.metrics.recoveries_held.set(count, {"provider": instance.name})
+                deps.metrics.machines_stuck.set(stuck.get(instance.name, 0), {"provider": instance.name})
         except Exception as error:  # a gauge a little stale beats a worker that stops
             log.warning("fleet gauges not updated: %s", error)
         try:

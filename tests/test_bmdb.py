@@ -122,6 +122,21 @@ async def test_a_quarantined_machine_is_neither_silent_nor_watched_until_release
     ]
 
 
+async def test_a_stuck_flag_is_set_once_counted_by_provider_and_cleared(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await bmdb.admit_machine("sim", "node-0002")
+    assert await bmdb.count_stuck() == {}
+    assert await bmdb.set_stuck(machine_id, True, "AGENT_STARTING for 4:00:00")
+    assert not await bmdb.set_stuck(machine_id, True, "again")
+    assert await bmdb.count_stuck() == {"sim": 1}
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None and record.stuck_since is not None
+    assert await bmdb.set_stuck(machine_id, False, "AGENT_STARTING done after 4:10:00")
+    assert await bmdb.count_stuck() == {}
+    kinds = [e.kind for e in await bmdb.list_events(machine_id)]
+    assert kinds[:2] == ["unstuck", "stuck"]
+
+
 async def test_agent_started_is_an_upsert(bmdb):
     machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
     await bmdb.record_agent_started(machine_id, datetime(2026, 1, 1, tzinfo=UTC), b"a" * 32)

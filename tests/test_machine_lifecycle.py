@@ -40,6 +40,7 @@ from lifecycle.contracts import (
     RebootInput,
     RebootResult,
     StartAgentInput,
+    StuckInput,
     provider_task_queue,
 )
 from lifecycle.inputs import lifecycle_policy
@@ -62,6 +63,7 @@ class FakeMachineActivities:
         self.records: list[RebootInput] = []
         self.boot_waits: list[BootWaitInput] = []
         self.quarantines: list[tuple[bool, str]] = []
+        self.stuck_records: list[tuple[float, bool, str]] = []
         # Every call in order, by activity name.
         self.calls: list[str] = []
 
@@ -72,7 +74,13 @@ class FakeMachineActivities:
 
     @property
     def main_queue_activities(self) -> list[Any]:
-        return [self.record_reboot, self.record_quarantine]
+        return [self.record_reboot, self.record_quarantine, self.record_stuck]
+
+    @activity.defn(name="record_stuck")
+    async def record_stuck(self, input: StuckInput) -> None:
+        self.stuck_records.append(
+            (activity.info().current_attempt_scheduled_time.timestamp(), input.stuck, input.detail)
+        )
 
     @activity.defn(name="record_quarantine")
     async def record_quarantine(self, input: QuarantineInput) -> None:
@@ -453,4 +461,30 @@ async def test_a_forced_recovery_releases_a_quarantined_machine(time_skipping_en
         status = await handle.query(MachineWorkflow.status)
         assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 2)
         assert fakes.quarantines[-1] == (False, "released by force_recover: forced: reseated the NIC")
+        await handle.terminate()
+
+
+async def test_an_agent_start_that_outlasts_its_deadline_is_flagged_stuck_and_keeps_its_back_off(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=8)
+    async with machine_worker(env, fakes, "stuck") as queue:
+        handle = await start_machine(env, queue, replace(SEED_POLICY, agent_start_deadline=3600.0))
+        await env.sleep(timedelta(seconds=3500))
+        assert (await handle.query(MachineWorkflow.status)).stuck is None and fakes.stuck_records == []
+        await env.sleep(timedelta(seconds=200))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.AGENT_STARTING and status.stuck is not None
+        assert status.stuck.reason == "AGENT_STARTING for 1:00:00, longer than its 1:00:00 deadline"
+        assert status.stuck.last_error == "AGENT_ERROR: agent said: disk on fire"
+        [(flagged_at, stuck, detail)] = fakes.stuck_records
+        assert stuck and detail.endswith("last error: AGENT_ERROR: agent said: disk on fire")
+
+        await env.sleep(timedelta(hours=1))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.stuck is None
+        assert [(s, d.split(" after ")[0]) for _, s, d in fakes.stuck_records[1:]] == [(False, "AGENT_STARTING done")]
+        # Flagged, not hurried: the attempts kept the seed's back-off.
+        gaps = [b - a for a, b in zip(fakes.agent_attempt_times, fakes.agent_attempt_times[1:], strict=False)]
+        assert len(gaps) == 8 and all(abs(gap - SEED_AGENT_BACKOFF.delay(n)) < 2 for n, gap in enumerate(gaps, 1))
+        assert fakes.agent_attempt_times[6] < flagged_at < fakes.agent_attempt_times[7]
         await handle.terminate()

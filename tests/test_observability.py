@@ -125,6 +125,7 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
             assert ("shepherd_machines_silent", silent_of_sim) in worker_series
             assert total(worker_series, "shepherd_recoveries_held", provider="sim") == 0
             assert ("shepherd_recoveries_held", silent_of_sim) in worker_series
+            assert total(worker_series, "shepherd_machines_stuck", provider="sim") == 0
             assert total(worker_series, "temporal_worker_task_slots_available", worker_type="ActivityWorker") > 0
 
             heartbeat_series = await scrape(heartbeat_metrics_port)

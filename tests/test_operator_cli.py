@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncssh
@@ -12,11 +13,12 @@ from sqlalchemy import insert, update
 from temporalio.client import WorkflowFailureError
 
 from bmdb.schema import machine_provided, machines
-from bmdb.store import BMDB
+from bmdb.store import BMDB, MachineRecord
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
 from lifecycle.takeover import host_key_fingerprint
 from processes.worker import ensure_fleet_schedules
 from shepherd.commands.machine_ref import MachineNotFound, resolve_machine
+from shepherd.commands.machines import MachineView, format_machines, machine_json
 from tests.fleet_stack import fleet_stack
 from tests.test_recovery import WATCH, wait_for
 
@@ -294,3 +296,29 @@ async def test_unreachable_services_are_one_line_and_exit_1(
     code, out, err = await shepherd_cli(env, *command)
     assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
     assert err.startswith(f"shepherd {command[0]}: ") and setting in err and "pw@" not in err
+
+
+def test_shepherd_machines_names_the_stuck_machines_below_the_table():
+    now = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+
+    def view(provider_id: str, stuck_since: datetime | None) -> MachineView:
+        record = MachineRecord(
+            uuid.uuid4(),
+            "sim",
+            provider_id,
+            "provided",
+            "10.0.0.1",
+            22,
+            None,
+            None,
+            None,
+            None,
+            None,
+            stuck_since=stuck_since,
+        )
+        return MachineView(record, "AGENT_STARTING", 0)
+
+    lines = format_machines([view("node-0001", now - timedelta(hours=4, minutes=12)), view("node-0002", None)], now)
+    assert len(lines) == 4 and lines[1].split()[2] == "AGENT_STARTING"
+    assert lines[-1] == "stuck past their stage's deadline: node-0001 (4h12m)"
+    assert machine_json(view("node-0003", now))["stuck_since"] == now.isoformat()

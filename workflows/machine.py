@@ -52,6 +52,8 @@ with workflow.unsafe.imports_passed_through():
         RebootResult,
         RecoveryRecord,
         StartAgentInput,
+        Stuck,
+        StuckInput,
         machine_search_attributes,
         provider_task_queue,
     )
@@ -66,6 +68,8 @@ _BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempt
 _REBOOT_ONCE = "reboot-once-then-wait-for-boot"
 # Recoveries recorded before the recovery budget never quarantined.
 _RECOVERY_BUDGET = "recovery-budget"
+# Back-offs recorded before a stage that outlasts its deadline was flagged stuck were one timer each.
+_STUCK_FLAG = "stuck-flag"
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 _BOOT_WAIT_BOUND = timedelta(hours=4)
 
@@ -128,12 +132,20 @@ class MachineWorkflow:
         self._set_stage(status.stage)
 
         if status.stage is MachineStage.PROVISIONING:
-            provisioned = await self._until_success(input.policy.provision_backoff, lambda: self._provision(input))
+            provisioned = await self._until_success(
+                input.policy.provision_backoff,
+                lambda: self._provision(input),
+                stuck_after=input.policy.provisioning_deadline,
+            )
             status.address = provisioned.address
             self._set_stage(MachineStage.AGENT_STARTING)
 
         if status.stage is MachineStage.AGENT_STARTING:
-            status.agent = await self._until_success(input.policy.agent_start_backoff, lambda: self._start_agent(input))
+            status.agent = await self._until_success(
+                input.policy.agent_start_backoff,
+                lambda: self._start_agent(input),
+                stuck_after=input.policy.agent_start_deadline,
+            )
             self._set_stage(MachineStage.WATCHING)
 
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
@@ -404,41 +416,93 @@ class MachineWorkflow:
             task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
         )
 
-    async def _until_success(self, backoff: Backoff, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run attempt until it succeeds, waiting backoff between failures."""
+    async def _until_success(
+        self, backoff: Backoff, attempt: Callable[[], Awaitable[T]], *, stuck_after: float | None = None
+    ) -> T:
+        """Run attempt until it succeeds, waiting backoff between failures.
+
+        stuck_after: seconds in the stage after which the machine is flagged stuck (not failed): it keeps trying.
+        """
+        status = self._status
         while True:
-            self._status.attempts += 1
+            status.attempts += 1
             try:
                 result = await attempt()
             except ActivityError as error:
-                self._status.last_error = describe_failure(error)
-                delay = backoff.delay(self._status.attempts)
-                self._status.next_attempt_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
+                status.last_error = describe_failure(error)
+                delay = backoff.delay(status.attempts)
+                status.next_attempt_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
                 self._show_details()
                 workflow.logger.warning(
                     "%s attempt %d failed, next in %.0fs: %s",
-                    self._status.stage,
-                    self._status.attempts,
+                    status.stage,
+                    status.attempts,
                     delay,
-                    self._status.last_error,
+                    status.last_error,
                     extra=self._log_fields,
                 )
-                # A retry_now that came during the attempt counts: the fix may have come too late for it.
-                try:
-                    await workflow.wait_condition(
-                        lambda: self._retry_now,
-                        timeout=delay,
-                        timeout_summary=f"back-off after {self._status.stage} attempt {self._status.attempts}",
-                    )
-                except TimeoutError:
-                    pass
-                self._retry_now = False
+                await self._back_off(delay, stuck_after)
                 continue
             self._retry_now = False
-            self._status.attempts = 0
-            self._status.next_attempt_at = None
-            self._status.last_error = None
+            status.attempts = 0
+            status.next_attempt_at = None
+            status.last_error = None
+            if status.stuck is not None:
+                await self._record_stuck(False, f"{status.stage} done after {self._in_stage()}")
+                status.stuck = None
             return result
+
+    async def _back_off(self, delay: float, stuck_after: float | None) -> None:
+        """Wait delay seconds or until retry_now, flagging the machine stuck when its stage outlasts stuck_after.
+
+        A retry_now that came during the attempt counts: the fix may have come too late for it.
+        """
+        summary = f"back-off after {self._status.stage} attempt {self._status.attempts}"
+        if stuck_after is None or not workflow.patched(_STUCK_FLAG):
+            try:
+                await workflow.wait_condition(lambda: self._retry_now, timeout=delay, timeout_summary=summary)
+            except TimeoutError:
+                pass
+            self._retry_now = False
+            return
+        until = workflow.now() + timedelta(seconds=delay)
+        while not self._retry_now and workflow.now() < until:
+            wake = until
+            if self._status.stuck is None:
+                stuck_at = datetime.fromisoformat(self._status.stage_since) + timedelta(seconds=stuck_after)
+                if stuck_at <= workflow.now():
+                    await self._flag_stuck(stuck_after)
+                    continue
+                wake = min(until, stuck_at)
+            try:
+                await workflow.wait_condition(
+                    lambda: self._retry_now, timeout=wake - workflow.now(), timeout_summary=summary
+                )
+            except TimeoutError:
+                pass
+        self._retry_now = False
+
+    async def _flag_stuck(self, stuck_after: float) -> None:
+        status = self._status
+        why = f"{status.stage} for {self._in_stage()}, longer than its {timedelta(seconds=stuck_after)} deadline"
+        status.stuck = Stuck(since=self._now(), reason=why, last_error=status.last_error)
+        workflow.logger.warning("stuck: %s; still trying: %s", why, status.last_error, extra=self._log_fields)
+        self._show_details()
+        await self._record_stuck(True, f"{why}; last error: {status.last_error}")
+
+    async def _record_stuck(self, stuck: bool, detail: str) -> None:
+        await workflow.execute_activity_method(
+            RecoveryActivities.record_stuck,
+            StuckInput(machine_id=self._status.machine_id, stuck=stuck, detail=detail[:1000]),
+            summary=("flag" if stuck else "clear") + f" {self._status.provider_id} as stuck in BMDB",
+            start_to_close_timeout=timedelta(minutes=1),
+            # Until BMDB answers: the stage's own steps need it too.
+            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5)),
+        )
+
+    def _in_stage(self) -> timedelta:
+        elapsed = workflow.now() - datetime.fromisoformat(self._status.stage_since)
+        return timedelta(seconds=round(elapsed.total_seconds()))
 
     def _set_stage(self, stage: MachineStage) -> None:
         if stage is not self._status.stage:
@@ -465,6 +529,8 @@ class MachineWorkflow:
             lines.append(f"attempt {status.attempts} failed: {status.last_error}; next at {status.next_attempt_at}")
         if status.recovery_requested:
             lines.append(f"recovery requested: {status.recovery_requested}")
+        if status.stuck:
+            lines.append(f"**stuck** since {status.stuck.since}: {status.stuck.reason}")
         if status.quarantine:
             lines.append(f"**quarantined** since {status.quarantine.since}: {status.quarantine.reason}")
             lines.append("release: `shepherd release` or the `release` update with a reason")

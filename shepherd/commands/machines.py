@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import textwrap
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -72,7 +73,8 @@ def age(then: datetime | None, now: datetime) -> str:
 def format_machines(views: list[MachineView], now: datetime) -> list[str]:
     """Lines of a table that fits 80 columns; agent start and last heartbeat as ages.
 
-    A machine its provider no longer lists shows as MISSING: it is left alone until listed again.
+    A machine its provider no longer lists shows as MISSING: it is left alone until listed again. Machines
+    flagged stuck are named below the table, with how long they have been.
     """
     row = "{:<14} {:<21} {:<14} {:>6} {:>9} {:>10}"
     lines = [row.format("PROVIDER ID", "ADDRESS", "STAGE", "AGENT", "HEARTBEAT", "RECOVERIES")]
@@ -88,6 +90,14 @@ def format_machines(views: list[MachineView], now: datetime) -> list[str]:
                 age(record.agent_heartbeat_at, now),
                 view.recoveries,
             )
+        )
+    stuck = [f"{v.record.provider_id} ({age(v.record.stuck_since, now)})" for v in views if v.record.stuck_since]
+    if stuck:
+        lines += textwrap.wrap(
+            ", ".join(stuck),
+            80,
+            initial_indent="stuck past their stage's deadline: ",
+            subsequent_indent="  ",
         )
     return lines
 
@@ -109,6 +119,7 @@ def record_json(record: MachineRecord, recoveries: int) -> dict[str, Any]:
         "agent_started_at": when(record.agent_started_at),
         "last_heartbeat_at": when(record.agent_heartbeat_at),
         "missing_at_provider_since": when(record.missing_since),
+        "stuck_since": when(record.stuck_since),
         "recoveries": recoveries,
     }
 
