@@ -1,5 +1,5 @@
 """RECOVERING: reboot the machine through its provider once per recovery cycle, record it, wait for the boot;
-and the BMDB marks of machines that need an operator (quarantined, stuck)."""
+and the BMDB marks of machines an operator looks after (quarantined, stuck, in maintenance)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from temporalio import activity
 
 from activities.deps import ActivityDeps, provider_errors
 from lifecycle.contracts import (
+    AgentCheckInput,
     BootWaitInput,
     BootWaitResult,
+    MaintenanceInput,
     QuarantineInput,
     RebootInput,
     RebootResult,
@@ -106,6 +108,22 @@ class RecoveryActivities:
     async def record_stuck(self, input: StuckInput) -> None:
         """Flag the machine stuck in BMDB (its stage outlasted its deadline), or clear the flag; with an event."""
         await self.deps.bmdb.set_stuck(uuid.UUID(input.machine_id), input.stuck, input.detail)
+
+    @activity.defn
+    async def record_maintenance(self, input: MaintenanceInput) -> None:
+        """Mark the machine in maintenance in BMDB (the watchdog then leaves it out), or out of it; with an event."""
+        await self.deps.bmdb.set_maintenance(uuid.UUID(input.machine_id), input.on, input.detail)
+
+    @activity.defn
+    async def check_agent_after_maintenance(self, input: AgentCheckInput) -> bool:
+        """True when the machine's agent still heartbeats; else forget it, so a takeover starts a new one."""
+        machine_id = uuid.UUID(input.machine_id)
+        if await self.deps.bmdb.agent_alive(machine_id, self.deps.settings.heartbeat_timeout):
+            return True
+        await self.deps.bmdb.forget_silent_agent(
+            machine_id, f"silent after maintenance ({input.why}): taken over again"
+        )
+        return False
 
     @activity.defn
     async def reboot_machine(self, input: RebootInput) -> None:

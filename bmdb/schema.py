@@ -51,6 +51,8 @@ machine_provided = Table(
     Column("quarantined_since", DateTime(timezone=True)),
     # Since when the machine's provisioning or agent start has outlasted its deadline; it keeps trying.
     Column("stuck_since", DateTime(timezone=True)),
+    # Since when an operator keeps the machine out of automation (hardware work); the watchdog leaves it alone.
+    Column("maintenance_since", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("provider", "provider_id", name="machine_provided_provider_key"),
 )

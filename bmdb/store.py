@@ -467,6 +467,7 @@ class BMDB:
                 machine_provided.c.provider == provider,
                 machine_provided.c.missing_since.is_(None),
                 machine_provided.c.quarantined_since.is_(None),
+                machine_provided.c.maintenance_since.is_(None),
                 or_(never, stopped),
             )
             .order_by(machine_provided.c.provider_id)
@@ -493,6 +494,7 @@ class BMDB:
                 machine_provided.c.provider == provider,
                 machine_provided.c.missing_since.is_(None),
                 machine_provided.c.quarantined_since.is_(None),
+                machine_provided.c.maintenance_since.is_(None),
             )
         )
         hold = select(recovery_holds.c.ended_at).where(recovery_holds.c.provider == provider)
@@ -625,6 +627,36 @@ class BMDB:
         return await self._mark(
             machine_provided.c.stuck_since, machine_id, stuck, "stuck" if stuck else "unstuck", detail
         )
+
+    async def set_maintenance(self, machine_id: uuid.UUID, on: bool, detail: str) -> bool:
+        """Mark the machine in maintenance (event ``maintenance_on``) or out of it (``maintenance_off``)."""
+        kind = "maintenance_on" if on else "maintenance_off"
+        return await self._mark(machine_provided.c.maintenance_since, machine_id, on, kind, detail)
+
+    async def agent_alive(self, machine_id: uuid.UUID, within: float) -> bool:
+        """Whether the machine's agent has had a heartbeat accepted within the last `within` seconds."""
+        query = select(machine_agent_heartbeat.c.agent_heartbeat_at).where(
+            machine_agent_heartbeat.c.machine_id == machine_id,
+            machine_agent_heartbeat.c.agent_heartbeat_at >= func.now() - timedelta(seconds=within),
+        )
+        async with self.engine.connect() as conn:
+            return await conn.scalar(query) is not None
+
+    async def forget_silent_agent(self, machine_id: uuid.UUID, detail: str) -> bool:
+        """Forget the machine's agent, so the next takeover starts a new one without a reboot; False if none."""
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                delete(machine_agent_heartbeat).where(machine_agent_heartbeat.c.machine_id == machine_id)
+            )
+            forgotten = await conn.execute(
+                delete(machine_agent_started)
+                .where(machine_agent_started.c.machine_id == machine_id)
+                .returning(machine_agent_started.c.machine_id)
+            )
+            if forgotten.first() is None:
+                return False
+            await conn.execute(insert(events).values(machine_id=machine_id, kind="agent_forgotten", detail=detail))
+            return True
 
     async def count_stuck(self) -> dict[str, int]:
         """Provider -> machines flagged stuck, for every provider that has one."""

@@ -45,6 +45,8 @@ class MachineStage(enum.StrEnum):
     RECOVERING = "RECOVERING"
     # Recovered more often than its budget allows: left alone until an operator releases it.
     QUARANTINED = "QUARANTINED"
+    # Taken out of automation by an operator (hardware work): never rebooted or taken over until it ends.
+    MAINTENANCE = "MAINTENANCE"
 
 
 def machine_workflow_id(provider: str, provider_id: str) -> str:
@@ -93,6 +95,7 @@ class HeartbeatLost:
 
 FORCE_RECOVER_SIGNAL = "force_recover"
 RELEASE_UPDATE = "release"
+SET_MAINTENANCE_UPDATE = "set_maintenance"
 RETRY_NOW_SIGNAL = "retry_now"
 STATUS_QUERY = "status"
 
@@ -157,6 +160,33 @@ class Stuck:
     since: str
     reason: str
     last_error: str | None
+
+
+@dataclass
+class Maintenance:
+    """A machine in maintenance: since when, why, who asked, and the stage it left and goes back to."""
+
+    since: str
+    reason: str
+    by: str
+    left: MachineStage
+
+
+@dataclass(frozen=True)
+class MaintenanceInput:
+    """Input of record_maintenance: mark the machine in or out of maintenance in BMDB, with who and why."""
+
+    machine_id: str
+    on: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class AgentCheckInput:
+    """Input of check_agent_after_maintenance: is the machine's agent still heartbeating, or must it be replaced."""
+
+    machine_id: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -233,6 +263,7 @@ class MachineStatus:
     recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
     quarantine: Quarantine | None = None
     stuck: Stuck | None = None
+    maintenance: Maintenance | None = None
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,8 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
                 recovery.record_reboot,
                 recovery.record_quarantine,
                 recovery.record_stuck,
+                recovery.record_maintenance,
+                recovery.check_agent_after_maintenance,
             ],
             max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
             **common,

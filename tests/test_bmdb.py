@@ -137,6 +137,27 @@ async def test_a_stuck_flag_is_set_once_counted_by_provider_and_cleared(bmdb):
     assert kinds[:2] == ["unstuck", "stuck"]
 
 
+async def test_a_machine_in_maintenance_is_not_watched_and_its_silent_agent_can_be_forgotten(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"k" * 32)
+    later = datetime.now(UTC) + timedelta(hours=1)
+    assert await bmdb.set_maintenance(machine_id, True, "by alice: DIMM")
+    assert not await bmdb.set_maintenance(machine_id, True, "again")
+    assert await bmdb.silent_machines("sim", as_of=later, first_heartbeat_within=60, heartbeat_within=60) == []
+    assert (await bmdb.watched_machines("sim")).count == 0
+    assert await bmdb.set_maintenance(machine_id, False, "by alice: done")
+
+    assert not await bmdb.agent_alive(machine_id, 600), "no heartbeat yet"
+    assert await bmdb.record_heartbeat(machine_id, b"k" * 32, datetime.now(UTC))
+    assert await bmdb.agent_alive(machine_id, 600)
+    assert await bmdb.forget_silent_agent(machine_id, "silent after maintenance")
+    assert not await bmdb.forget_silent_agent(machine_id, "again")
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None and record.agent_started_at is None and record.agent_heartbeat_at is None
+    kinds = [e.kind for e in await bmdb.list_events(machine_id)]
+    assert kinds[:3] == ["agent_forgotten", "maintenance_off", "maintenance_on"]
+
+
 async def test_agent_started_is_an_upsert(bmdb):
     machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
     await bmdb.record_agent_started(machine_id, datetime(2026, 1, 1, tzinfo=UTC), b"a" * 32)

@@ -25,6 +25,7 @@ from temporalio.worker import Worker
 
 from foundation.settings import Settings
 from lifecycle.contracts import (
+    AgentCheckInput,
     AgentFacts,
     Backoff,
     BootWaitInput,
@@ -34,6 +35,7 @@ from lifecycle.contracts import (
     MachineInput,
     MachineStage,
     MachineStatus,
+    MaintenanceInput,
     ProvisionInput,
     ProvisionResult,
     QuarantineInput,
@@ -64,6 +66,9 @@ class FakeMachineActivities:
         self.boot_waits: list[BootWaitInput] = []
         self.quarantines: list[tuple[bool, str]] = []
         self.stuck_records: list[tuple[float, bool, str]] = []
+        self.maintenance_records: list[tuple[bool, str]] = []
+        # What check_agent_after_maintenance answers.
+        self.agent_alive = True
         # Every call in order, by activity name.
         self.calls: list[str] = []
 
@@ -74,7 +79,22 @@ class FakeMachineActivities:
 
     @property
     def main_queue_activities(self) -> list[Any]:
-        return [self.record_reboot, self.record_quarantine, self.record_stuck]
+        return [
+            self.record_reboot,
+            self.record_quarantine,
+            self.record_stuck,
+            self.record_maintenance,
+            self.check_agent_after_maintenance,
+        ]
+
+    @activity.defn(name="record_maintenance")
+    async def record_maintenance(self, input: MaintenanceInput) -> None:
+        self.maintenance_records.append((input.on, input.detail))
+
+    @activity.defn(name="check_agent_after_maintenance")
+    async def check_agent_after_maintenance(self, input: AgentCheckInput) -> bool:
+        self.calls.append("check_agent_after_maintenance")
+        return self.agent_alive
 
     @activity.defn(name="record_stuck")
     async def record_stuck(self, input: StuckInput) -> None:
@@ -487,4 +507,92 @@ async def test_an_agent_start_that_outlasts_its_deadline_is_flagged_stuck_and_ke
         gaps = [b - a for a, b in zip(fakes.agent_attempt_times, fakes.agent_attempt_times[1:], strict=False)]
         assert len(gaps) == 8 and all(abs(gap - SEED_AGENT_BACKOFF.delay(n)) < 2 for n, gap in enumerate(gaps, 1))
         assert fakes.agent_attempt_times[6] < flagged_at < fakes.agent_attempt_times[7]
+        await handle.terminate()
+
+
+async def maintenance(handle: Any, **request: Any) -> str:
+    return await handle.execute_update(MachineWorkflow.set_maintenance, request)
+
+
+@pytest.mark.parametrize(("agent_alive", "recover"), [(True, False), (False, False), (True, True)])
+async def test_a_machine_in_maintenance_is_left_alone_and_its_agent_decides_what_follows(
+    time_skipping_env, agent_alive: bool, recover: bool
+):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    fakes.agent_alive = agent_alive
+    async with machine_worker(env, fakes, "maintenance") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        answer = await maintenance(handle, on=True, reason="replacing DIMM", by="alice")
+        assert answer == "in maintenance (replacing DIMM): never rebooted or taken over until it ends"
+        await env.sleep(timedelta(seconds=1))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.MAINTENANCE and status.maintenance is not None
+        assert (status.maintenance.by, status.maintenance.left) == ("alice", MachineStage.WATCHING)
+        # The technician powers it off: the watchdog's signal changes nothing, for hours.
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
+        await env.sleep(timedelta(hours=3))
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.MAINTENANCE
+        assert fakes.reboots == [] and len(fakes.agent_attempt_times) == 1
+
+        await maintenance(handle, on=False, by="alice", recover=recover)
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.maintenance is None
+        assert fakes.maintenance_records == [
+            (True, "by alice: replacing DIMM (it was WATCHING)"),
+            (False, "by alice: maintenance done" + ("; reboot asked" if recover else "")),
+        ]
+        if recover:
+            assert [cause for _, cause in fakes.reboots] == [
+                "forced: maintenance over, reboot asked by alice: maintenance done"
+            ]
+        else:
+            assert fakes.reboots == [], "maintenance ends without a reboot unless one is asked for"
+            assert "check_agent_after_maintenance" in fakes.calls
+        # Taken over again when its agent is gone (or after the reboot), else the same agent is watched.
+        assert len(fakes.agent_attempt_times) == (1 if agent_alive and not recover else 2)
+        await handle.terminate()
+
+
+async def test_maintenance_asked_during_failing_agent_starts_stops_the_attempts_until_it_ends(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=3)
+    async with machine_worker(env, fakes, "maintenance-steps") as queue:
+        handle = await start_machine(env, queue, SEED_POLICY)
+        await env.sleep(timedelta(seconds=1))
+        answer = await maintenance(handle, on=True, reason="recabling", by="bob")
+        assert answer.startswith("maintenance asked (recabling): it is AGENT_STARTING")
+        await env.sleep(timedelta(seconds=1))
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.MAINTENANCE
+        await env.sleep(timedelta(hours=6))
+        assert len(fakes.agent_attempt_times) == 1, "no takeover while in maintenance"
+        await maintenance(handle, on=False, reason="cabled", by="bob")
+        await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.AGENT_STARTING and len(fakes.agent_attempt_times) == 2
+        await handle.terminate()
+
+
+async def test_maintenance_requests_that_make_no_sense_are_refused(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "maintenance-refused") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        refusals = [
+            ({"on": False}, "not in maintenance: it is WATCHING"),
+            ({"on": True}, "say why the machine goes into maintenance"),
+            ({"on": True, "reason": "x", "recover": True}, '"recover" (a reboot once maintenance ends) goes with'),
+            ({"reason": "x"}, 'give {"on": true'),
+            ("on", 'give {"on": true'),
+        ]
+        for request, message in refusals:
+            with pytest.raises(WorkflowUpdateFailedError) as refused:
+                await handle.execute_update(MachineWorkflow.set_maintenance, request)
+            assert message in str(refused.value.cause), request
+        await maintenance(handle, on=True, reason="fans", by="carol")
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await maintenance(handle, on=True, reason="fans again")
+        assert "already in maintenance, asked by carol" in str(refused.value.cause)
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.MAINTENANCE
         await handle.terminate()

@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lifecycle.contracts import MachineStage
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
@@ -195,3 +197,48 @@ async def test_a_machine_that_keeps_dying_is_quarantined_and_released_with_sheph
 async def _stage_is(stack: FleetStack, provider_id: str, stage: MachineStage, recoveries: int):
     status = await stack.status(provider_id)
     return status if status.stage is stage and status.recovery_count == recoveries else None
+
+
+async def test_maintenance_through_the_cli_leaves_a_machine_alone_and_takes_it_over_without_a_reboot(
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **WATCH) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+        before = await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what="first heartbeat of node-0001")
+
+        async def shepherd(*args: str) -> tuple[int, str, str]:
+            return await shepherd_cli(stack.environment(bmdb_url), *args)
+
+        code, out, err = await shepherd(
+            "maintenance", "node-0001", "--on", "--reason", "replacing DIMM", "--by", "alice"
+        )
+        assert code == 0, err
+        assert out.strip() == (
+            "machine-sim-node-0001: in maintenance (replacing DIMM): never rebooted or taken over until it ends"
+        )
+        await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.MAINTENANCE, 0), what="maintenance")
+        code, out, err = await shepherd("maintenance", "node-0001", "--on", "--reason", "again")
+        assert code == 1 and "already in maintenance, asked by alice" in err
+        code, out, err = await shepherd("maintenance", "node-0002", "--off")
+        assert code == 1 and "machine-sim-node-0002: not in maintenance: it is WATCHING" in err
+        with pytest.raises(SystemExit) as usage:
+            await shepherd("maintenance", "node-0001", "--on")
+        assert usage.value.code == 2
+
+        # The technician powers it off: silent, and left alone.
+        assert (await sim_admin(stack, "/admin/machines/node-0001/kill-agent", {}))["killed"] >= 1
+        await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+        assert (await stack.run_pass()).silent == []
+        code, out, err = await shepherd("machines")
+        assert "MAINTENANCE" in next(line for line in out.splitlines() if line.startswith("node-0001"))
+
+        code, out, err = await shepherd("maintenance", "node-0001", "--off", "--by", "alice")
+        assert code == 0, err
+        assert "watched again if its agent still calls, else taken over again" in out
+        status = await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.WATCHING, 0), what="takeover")
+        after = await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what="heartbeats of the new agent")
+        assert after.agent_public_key != before.agent_public_key and status.agent is not None
+        kinds = [e.kind for e in await bmdb.list_events(before.machine_id)]
+        assert kinds[:4] == ["agent_started", "agent_forgotten", "maintenance_off", "maintenance_on"]
+        assert "rebooted" not in kinds

@@ -35,7 +35,9 @@ with workflow.unsafe.imports_passed_through():
         HEARTBEAT_LOST_SIGNAL,
         RELEASE_UPDATE,
         RETRY_NOW_SIGNAL,
+        SET_MAINTENANCE_UPDATE,
         STATUS_QUERY,
+        AgentCheckInput,
         AgentFacts,
         Backoff,
         BootWaitInput,
@@ -44,6 +46,8 @@ with workflow.unsafe.imports_passed_through():
         MachineInput,
         MachineStage,
         MachineStatus,
+        Maintenance,
+        MaintenanceInput,
         ProvisionInput,
         ProvisionResult,
         Quarantine,
@@ -64,6 +68,8 @@ T = TypeVar("T")
 # failures that say something about the machine are non-retryable there and
 # go straight to the step's back-off.
 _BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+# BMDB marks of what an operator must see: tried until BMDB answers, as the stage's own steps need it too.
+_UNTIL_BMDB_ANSWERS = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5))
 # Recoveries recorded before a cycle rebooted once, recorded apart and waited for the boot ran reboot_machine.
 _REBOOT_ONCE = "reboot-once-then-wait-for-boot"
 # Recoveries recorded before the recovery budget never quarantined.
@@ -96,6 +102,21 @@ def release_request(request: Any) -> tuple[str, str]:
     return reason.strip()[:500], who[:100]
 
 
+def maintenance_request(request: Any) -> tuple[bool, str, str, bool]:
+    """(on, reason, who, reboot after) of a set_maintenance argument; ValueError naming what is wrong."""
+    if not isinstance(request, dict) or not isinstance(request.get("on"), bool):
+        raise ValueError('give {"on": true, "reason": "...", "by": "..."} or {"on": false, "recover": false}')
+    on, reason, by, recover = request["on"], request.get("reason"), request.get("by"), request.get("recover", False)
+    if not isinstance(recover, bool) or (recover and on):
+        raise ValueError('"recover" (a reboot once maintenance ends) goes with "on": false, as true or false')
+    if not isinstance(reason, str) or not reason.strip():
+        if on:
+            raise ValueError("say why the machine goes into maintenance: a reason")
+        reason = "maintenance done"
+    who = by.strip() if isinstance(by, str) and by.strip() else "unknown"
+    return on, reason.strip()[:500], who[:100], recover
+
+
 @workflow.defn(name="MachineWorkflow")
 class MachineWorkflow:
     """One machine's lifecycle: each step tried until it succeeds, then WATCHING until a recovery is asked for."""
@@ -125,6 +146,9 @@ class MachineWorkflow:
         self._retry_now = False
         # (who, why) of the operator who released the quarantined machine.
         self._release: tuple[str, str] | None = None
+        # An operator's maintenance, asked for and not yet ended; and (who, why, reboot?) of its end.
+        self._maintenance_asked: Maintenance | None = None
+        self._maintenance_off: tuple[str, str, bool] | None = None
 
     @workflow.run
     async def run(self, input: MachineInput) -> None:
@@ -151,8 +175,15 @@ class MachineWorkflow:
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
         # this workflow, and the fleet watchdog signals only silent machines.
         await workflow.wait_condition(
-            lambda: status.recovery_requested is not None or workflow.info().is_continue_as_new_suggested()
+            lambda: (
+                status.recovery_requested is not None
+                or self._maintenance_asked is not None
+                or workflow.info().is_continue_as_new_suggested()
+            )
         )
+        take_over_again = False
+        if self._maintenance_asked is not None:
+            take_over_again = await self._maintenance_from_watching()
         next_run = MachineInput(
             provider=input.provider,
             provider_id=input.provider_id,
@@ -165,7 +196,10 @@ class MachineWorkflow:
             last_recovery_reason=status.last_recovery_reason,
             recent_recoveries=status.recent_recoveries,
         )
-        if status.recovery_requested is not None:
+        if take_over_again:
+            next_run.resume_stage = MachineStage.AGENT_STARTING
+            next_run.agent = None
+        elif status.recovery_requested is not None:
             reason = status.recovery_requested
             if workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, reason):
                 reason = await self._quarantine(input, reason)
@@ -183,6 +217,9 @@ class MachineWorkflow:
                 *self._within_budget_window(input.policy),
                 RecoveryRecord(self._now(), reason),
             ]
+        if self._maintenance_asked is not None:
+            # Asked while the machine booted: the next run would not know of it.
+            await self._in_maintenance()
         # Each recovery cycle starts a fresh history, so a machine that recovers
         # a hundred times keeps a short one.
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -250,6 +287,41 @@ class MachineWorkflow:
             raise ValueError(f"not quarantined: it is {self._status.stage}")
         release_request(request)
 
+    @workflow.update(name=SET_MAINTENANCE_UPDATE)
+    def set_maintenance(self, request: Any = None) -> str:
+        """``set_maintenance``: ``{"on": true, "reason": ..., "by": ...}`` takes the machine out of automation,
+        ``{"on": false, "recover": false}`` ends it. An update, so the caller hears what happens, or why not."""
+        on, reason, by, recover = maintenance_request(request)
+        status = self._status
+        if on:
+            self._maintenance_asked = Maintenance(since=self._now(), reason=reason, by=by, left=status.stage)
+            workflow.logger.info("maintenance asked by %s: %s", by, reason, extra=self._log_fields)
+            if status.stage is MachineStage.WATCHING:
+                return f"in maintenance ({reason}): never rebooted or taken over until it ends"
+            return f"maintenance asked ({reason}): it is {status.stage}, and stops once the current attempt ends"
+        if status.maintenance is None:
+            self._maintenance_asked = None
+            return "the maintenance asked for is cancelled: it had not begun"
+        self._maintenance_off = (by, reason, recover)
+        workflow.logger.info("maintenance ended by %s: %s", by, reason, extra=self._log_fields)
+        if recover:
+            return f"maintenance over ({reason}): it is rebooted and taken over again"
+        return f"maintenance over ({reason}): watched again if its agent still calls, else taken over again"
+
+    @set_maintenance.validator
+    def _maintenance_allowed(self, request: Any = None) -> None:
+        on, _, _, _ = maintenance_request(request)
+        status = self._status
+        asked = self._maintenance_asked
+        if on and asked is not None:
+            raise ValueError(f"already in maintenance, asked by {asked.by} at {asked.since}: {asked.reason}")
+        if on and status.stage is MachineStage.QUARANTINED:
+            raise ValueError("it is QUARANTINED, which leaves it alone already; `shepherd release` it once mended")
+        if not on and asked is None:
+            raise ValueError(f"not in maintenance: it is {status.stage}")
+        if not on and self._maintenance_off is not None:
+            raise ValueError("its maintenance is ending already")
+
     def _request_recovery(self, reason: str) -> None:
         status = self._status
         if status.stage is MachineStage.QUARANTINED and reason.startswith("forced:") and self._release is None:
@@ -292,6 +364,60 @@ class MachineWorkflow:
             start_to_close_timeout=timedelta(seconds=input.policy.agent_start_timeout),
             retry_policy=_BLIP_RETRY,
             task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
+        )
+
+    async def _in_maintenance(self) -> bool:
+        """Stay in MAINTENANCE until an operator ends it, then go back to the stage left; True if a reboot was asked."""
+        status = self._status
+        asked = self._maintenance_asked
+        assert asked is not None
+        asked.left, asked.since = status.stage, self._now()
+        status.maintenance = asked
+        self._set_stage(MachineStage.MAINTENANCE)
+        await self._record_maintenance(True, f"by {asked.by}: {asked.reason} (it was {asked.left})")
+        await workflow.wait_condition(lambda: self._maintenance_off is not None)
+        assert self._maintenance_off is not None
+        by, reason, recover = self._maintenance_off
+        await self._record_maintenance(False, f"by {by}: {reason}" + ("; reboot asked" if recover else ""))
+        status.maintenance, self._maintenance_asked, self._maintenance_off = None, None, None
+        self._set_stage(asked.left)
+        if recover and status.stage is not MachineStage.RECOVERING:
+            # The operator's reboot stands in for whatever the watchdog asked during the maintenance.
+            status.recovery_requested = f"forced: maintenance over, reboot asked by {by}: {reason}"
+            self._show_details()
+        return recover
+
+    async def _maintenance_from_watching(self) -> bool:
+        """Maintenance of a WATCHING machine; True when its agent fell silent meanwhile and must be taken over again.
+
+        The watchdog's requests made before or during it are about an agent the maintenance may have stopped: the
+        agent's heartbeat decides instead. An operator's forced recovery stands.
+        """
+        status = self._status
+        if await self._in_maintenance():
+            return False
+        if status.recovery_requested is not None and not status.recovery_requested.startswith("forced:"):
+            status.recovery_requested = None
+        if status.recovery_requested is not None:
+            return False
+        alive: bool = await workflow.execute_activity_method(
+            RecoveryActivities.check_agent_after_maintenance,
+            AgentCheckInput(machine_id=status.machine_id, why="after maintenance"),
+            summary=f"is the agent of {status.provider_id} still calling after its maintenance?",
+            start_to_close_timeout=timedelta(minutes=1),
+            retry_policy=_UNTIL_BMDB_ANSWERS,
+        )
+        if not alive:
+            workflow.logger.info("agent silent after maintenance: taking over again", extra=self._log_fields)
+        return not alive
+
+    async def _record_maintenance(self, on: bool, detail: str) -> None:
+        await workflow.execute_activity_method(
+            RecoveryActivities.record_maintenance,
+            MaintenanceInput(machine_id=self._status.machine_id, on=on, detail=detail[:1000]),
+            summary=f"maintenance {'on' if on else 'off'} for {self._status.provider_id} in BMDB",
+            start_to_close_timeout=timedelta(minutes=1),
+            retry_policy=_UNTIL_BMDB_ANSWERS,
         )
 
     def _within_budget_window(self, policy: LifecyclePolicy) -> list[RecoveryRecord]:
@@ -425,6 +551,8 @@ class MachineWorkflow:
         """
         status = self._status
         while True:
+            if self._maintenance_asked is not None:
+                await self._in_maintenance()
             status.attempts += 1
             try:
                 result = await attempt()
@@ -460,13 +588,13 @@ class MachineWorkflow:
         summary = f"back-off after {self._status.stage} attempt {self._status.attempts}"
         if stuck_after is None or not workflow.patched(_STUCK_FLAG):
             try:
-                await workflow.wait_condition(lambda: self._retry_now, timeout=delay, timeout_summary=summary)
+                await workflow.wait_condition(self._wake_from_back_off, timeout=delay, timeout_summary=summary)
             except TimeoutError:
                 pass
             self._retry_now = False
             return
         until = workflow.now() + timedelta(seconds=delay)
-        while not self._retry_now and workflow.now() < until:
+        while not self._wake_from_back_off() and workflow.now() < until:
             wake = until
             if self._status.stuck is None:
                 stuck_at = datetime.fromisoformat(self._status.stage_since) + timedelta(seconds=stuck_after)
@@ -476,11 +604,15 @@ class MachineWorkflow:
                 wake = min(until, stuck_at)
             try:
                 await workflow.wait_condition(
-                    lambda: self._retry_now, timeout=wake - workflow.now(), timeout_summary=summary
+                    self._wake_from_back_off, timeout=wake - workflow.now(), timeout_summary=summary
                 )
             except TimeoutError:
                 pass
         self._retry_now = False
+
+    def _wake_from_back_off(self) -> bool:
+        # An operator's retry_now, or maintenance to begin before the next attempt.
+        return self._retry_now or self._maintenance_asked is not None
 
     async def _flag_stuck(self, stuck_after: float) -> None:
         status = self._status
@@ -496,8 +628,7 @@ class MachineWorkflow:
             StuckInput(machine_id=self._status.machine_id, stuck=stuck, detail=detail[:1000]),
             summary=("flag" if stuck else "clear") + f" {self._status.provider_id} as stuck in BMDB",
             start_to_close_timeout=timedelta(minutes=1),
-            # Until BMDB answers: the stage's own steps need it too.
-            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5)),
+            retry_policy=_UNTIL_BMDB_ANSWERS,
         )
 
     def _in_stage(self) -> timedelta:
@@ -529,6 +660,9 @@ class MachineWorkflow:
             lines.append(f"attempt {status.attempts} failed: {status.last_error}; next at {status.next_attempt_at}")
         if status.recovery_requested:
             lines.append(f"recovery requested: {status.recovery_requested}")
+        if status.maintenance:
+            m = status.maintenance
+            lines.append(f"**maintenance** since {m.since}, asked by {m.by}: {m.reason} (left {m.left})")
         if status.stuck:
             lines.append(f"**stuck** since {status.stuck.since}: {status.stuck.reason}")
         if status.quarantine:

@@ -17,11 +17,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TextIO, TypeAlias, TypeVar
 
+from temporalio.client import WorkflowUpdateFailedError
+
 from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
 from foundation.settings import Settings, parse_duration
-from shepherd.commands.machine_ref import MachineNotFound
+from foundation.startup import connect_temporal
+from shepherd.commands.machine_ref import MachineNotFound, running_machine_workflow
 
 # What each command's register() adds its parser to.
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -179,6 +182,24 @@ def answer_with_lazy_bmdb(
         except MachineNotFound as error:
             raise CommandError(str(error)) from None
     return EXIT_OK
+
+
+def ask_machine(settings: Settings, machine: str, update: str, request: dict[str, Any], *, then: str) -> int:
+    """Send the update to the machine's workflow and print its answer; a refusal ends the command with its reason.
+
+    then: what the operator should do once a workflow that does not run runs again.
+    """
+
+    async def ask(open_bmdb: Callable[[], Awaitable[BMDB]]) -> str:
+        client = await connect_temporal(settings)
+        workflow_id = await running_machine_workflow(client, open_bmdb, machine, then=then)
+        try:
+            answer = await client.get_workflow_handle(workflow_id).execute_update(update, request, result_type=str)
+        except WorkflowUpdateFailedError as error:
+            raise CommandError(f"{workflow_id}: {getattr(error.cause, 'message', None) or error}") from None
+        return f"{workflow_id}: {answer}"
+
+    return answer_with_lazy_bmdb(settings, ask)
 
 
 async def no_temporal() -> None:
