@@ -91,6 +91,11 @@ def recovery_reason(request: Any) -> str:
     return f"unreadable reason {str(request)[:100]!r}"
 
 
+def operator_of(by: Any) -> str:
+    """Who asked for an operator action, as its request says; "unknown" when it does not."""
+    return by.strip()[:100] if isinstance(by, str) and by.strip() else "unknown"
+
+
 def release_request(request: Any) -> tuple[str, str]:
     """(reason, who) of a release update's argument; ValueError when it gives no reason."""
     reason, by = request, None
@@ -98,8 +103,7 @@ def release_request(request: Any) -> tuple[str, str]:
         reason, by = request.get("reason"), request.get("by")
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError('say why the machine may be recovered again: {"reason": "...", "by": "..."}')
-    who = by.strip() if isinstance(by, str) and by.strip() else "unknown"
-    return reason.strip()[:500], who[:100]
+    return reason.strip()[:500], operator_of(by)
 
 
 def maintenance_request(request: Any) -> tuple[bool, str, str, bool]:
@@ -113,8 +117,7 @@ def maintenance_request(request: Any) -> tuple[bool, str, str, bool]:
         if on:
             raise ValueError("say why the machine goes into maintenance: a reason")
         reason = "maintenance done"
-    who = by.strip() if isinstance(by, str) and by.strip() else "unknown"
-    return on, reason.strip()[:500], who[:100], recover
+    return on, reason.strip()[:500], operator_of(by), recover
 
 
 @workflow.defn(name="MachineWorkflow")
@@ -411,15 +414,6 @@ class MachineWorkflow:
             workflow.logger.info("agent silent after maintenance: taking over again", extra=self._log_fields)
         return not alive
 
-    async def _record_maintenance(self, on: bool, detail: str) -> None:
-        await workflow.execute_activity_method(
-            RecoveryActivities.record_maintenance,
-            MaintenanceInput(machine_id=self._status.machine_id, on=on, detail=detail[:1000]),
-            summary=f"maintenance {'on' if on else 'off'} for {self._status.provider_id} in BMDB",
-            start_to_close_timeout=timedelta(minutes=1),
-            retry_policy=_UNTIL_BMDB_ANSWERS,
-        )
-
     def _within_budget_window(self, policy: LifecyclePolicy) -> list[RecoveryRecord]:
         """The recent recoveries the budget still counts; all of them when there is no window."""
         recent = self._status.recent_recoveries
@@ -443,27 +437,15 @@ class MachineWorkflow:
         status.quarantine = Quarantine(since=self._now(), reason=why, recoveries=recent)
         self._set_stage(MachineStage.QUARANTINED)
         workflow.logger.warning("quarantined: %s", why, extra=self._log_fields)
-        await self._record_quarantine(input, True, why)
+        await self._record_quarantine(True, why)
         await workflow.wait_condition(lambda: self._release is not None)
         assert self._release is not None
         by, released_why = self._release
-        await self._record_quarantine(input, False, f"released by {by}: {released_why}")
+        await self._record_quarantine(False, f"released by {by}: {released_why}")
         self._release = None
         status.quarantine = None
         status.recent_recoveries = []
         return f"{reason} (released by {by}: {released_why})"
-
-    async def _record_quarantine(self, input: MachineInput, quarantined: bool, detail: str) -> None:
-        await self._until_success(
-            input.policy.recovery_backoff,
-            lambda: workflow.execute_activity_method(
-                RecoveryActivities.record_quarantine,
-                QuarantineInput(machine_id=input.machine_id, quarantined=quarantined, detail=detail),
-                summary=("quarantine" if quarantined else "release") + f" {input.provider_id} in BMDB",
-                start_to_close_timeout=timedelta(minutes=1),
-                retry_policy=_BLIP_RETRY,
-            ),
-        )
 
     async def _recover(self, input: MachineInput, reason: str) -> None:
         """Reboot once in this recovery cycle, record it, then wait for the machine to answer SSH again.
@@ -622,11 +604,29 @@ class MachineWorkflow:
         self._show_details()
         await self._record_stuck(True, f"{why}; last error: {status.last_error}")
 
+    async def _record_quarantine(self, quarantined: bool, detail: str) -> None:
+        mark = QuarantineInput(machine_id=self._status.machine_id, quarantined=quarantined, detail=detail[:1000])
+        verb = "quarantine" if quarantined else "release"
+        await self._mark(RecoveryActivities.record_quarantine, mark, f"{verb} {self._status.provider_id} in BMDB")
+
     async def _record_stuck(self, stuck: bool, detail: str) -> None:
+        mark = StuckInput(machine_id=self._status.machine_id, stuck=stuck, detail=detail[:1000])
+        verb = "flag" if stuck else "clear"
+        await self._mark(RecoveryActivities.record_stuck, mark, f"{verb} {self._status.provider_id} as stuck in BMDB")
+
+    async def _record_maintenance(self, on: bool, detail: str) -> None:
+        mark = MaintenanceInput(machine_id=self._status.machine_id, on=on, detail=detail[:1000])
+        verb = "on" if on else "off"
+        await self._mark(
+            RecoveryActivities.record_maintenance, mark, f"maintenance {verb} for {self._status.provider_id}"
+        )
+
+    async def _mark(self, activity: Callable[[Any, Any], Awaitable[None]], mark: Any, summary: str) -> None:
+        """Record in BMDB what an operator must see (quarantine, stuck, maintenance), tried until BMDB answers."""
         await workflow.execute_activity_method(
-            RecoveryActivities.record_stuck,
-            StuckInput(machine_id=self._status.machine_id, stuck=stuck, detail=detail[:1000]),
-            summary=("flag" if stuck else "clear") + f" {self._status.provider_id} as stuck in BMDB",
+            activity,
+            mark,
+            summary=summary,
             start_to_close_timeout=timedelta(minutes=1),
             retry_policy=_UNTIL_BMDB_ANSWERS,
         )
