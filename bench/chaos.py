@@ -74,9 +74,9 @@ from bmdb.local_postgres import LocalPostgres
 from foundation.procfs import process_environments, processes_mentioning
 from foundation.settings import ENV_PREFIX, Settings
 from foundation.tls import local_certificates
-from lifecycle.contracts import SEARCH_ATTRIBUTES, MachineStage, machine_workflow_id
+from lifecycle.contracts import MachineStage, machine_workflow_id
 from proto import AGENT_MAX_RETRY_INTERVAL
-from shepherd.commands.dev import settings_environment, temporal_cli
+from shepherd.commands.dev import settings_environment, simulator_argv, temporal_dev_server_argv
 from shepherd.commands.machines import machine_stages
 
 PROVIDER = "sim"
@@ -370,20 +370,13 @@ class Stack:
         await self.wait_ready(self.service("temporal"), self.connect_temporal, "the Temporal server")
 
         python_shepherd = [sys.executable, "-m", "shepherd"]
-        sim_argv = [
-            *python_shepherd,
-            "sim",
-            "--machines",
-            str(self.options.machines),
-            "--state-dir",
-            str(self.root / "sim"),
-            "--api-port",
-            str(self.ports.sim_api),
-            "--boot-seconds",
-            str(SIM_BOOT_SECONDS),
-            "--metrics-listen",
+        sim_argv = simulator_argv(
+            self.options.machines,
+            self.root / "sim",
+            self.ports.sim_api,
             f"127.0.0.1:{self.ports.sim_metrics}",
-        ]
+            SIM_BOOT_SECONDS,
+        )
         for name, argv in (
             ("simulator", sim_argv),
             ("heartbeat-server", [*python_shepherd, "heartbeat-server"]),
@@ -398,26 +391,16 @@ class Stack:
         await self.start_service("worker")
 
     def temporal_argv(self) -> list[str]:
-        return [
-            temporal_cli(),
-            "server",
-            "start-dev",
-            "--ip",
-            "127.0.0.1",
-            "--port",
-            str(self.ports.temporal),
+        # The state file keeps workflows, schedules and search attributes across the restart.
+        return temporal_dev_server_argv(
+            self.ports.temporal,
+            self.root / "temporal.db",
             "--http-port",
             str(self.ports.temporal_http),
             "--metrics-port",
             str(self.ports.temporal_metrics),
             "--headless",
-            # The state file keeps workflows, schedules and search attributes across the restart.
-            "--db-filename",
-            str(self.root / "temporal.db"),
-            *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
-            "--log-level",
-            "warn",
-        ]
+        )
 
     async def start_postgres(self) -> None:
         url = await asyncio.to_thread(self.postgres.start)

