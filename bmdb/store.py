@@ -598,7 +598,7 @@ class BMDB:
     async def forget_agent(self, machine_id: uuid.UUID, cause: str) -> None:
         """Delete the agent-started and heartbeat records after a reboot, logging the cause."""
         async with self.engine.begin() as conn:
-            await _forget_agent(conn, machine_id, cause)
+            await _forget_rebooted_agent(conn, machine_id, cause)
 
     async def record_reboot(self, machine_id: uuid.UUID, cycle: str, cause: str) -> bool:
         """Record the recovery cycle's reboot and forget the machine's agent, in one transaction.
@@ -614,7 +614,7 @@ class BMDB:
             )
             if recorded.first() is None:
                 return False
-            await _forget_agent(conn, machine_id, cause)
+            await _forget_rebooted_agent(conn, machine_id, cause)
             return True
 
     async def set_quarantined(self, machine_id: uuid.UUID, quarantined: bool, detail: str) -> bool:
@@ -645,15 +645,7 @@ class BMDB:
     async def forget_silent_agent(self, machine_id: uuid.UUID, detail: str) -> bool:
         """Forget the machine's agent, so the next takeover starts a new one without a reboot; False if none."""
         async with self.engine.begin() as conn:
-            await conn.execute(
-                delete(machine_agent_heartbeat).where(machine_agent_heartbeat.c.machine_id == machine_id)
-            )
-            forgotten = await conn.execute(
-                delete(machine_agent_started)
-                .where(machine_agent_started.c.machine_id == machine_id)
-                .returning(machine_agent_started.c.machine_id)
-            )
-            if forgotten.first() is None:
+            if not await _forget_agent(conn, machine_id):
                 return False
             await conn.execute(insert(events).values(machine_id=machine_id, kind="agent_forgotten", detail=detail))
             return True
@@ -753,9 +745,19 @@ def _held(row: Any) -> HeldRecoveries:
     )
 
 
-async def _forget_agent(conn: Any, machine_id: uuid.UUID, cause: str) -> None:
+async def _forget_agent(conn: Any, machine_id: uuid.UUID) -> bool:
+    """Delete the machine's agent-started and heartbeat records; whether it had an agent."""
     await conn.execute(delete(machine_agent_heartbeat).where(machine_agent_heartbeat.c.machine_id == machine_id))
-    await conn.execute(delete(machine_agent_started).where(machine_agent_started.c.machine_id == machine_id))
+    forgotten = await conn.execute(
+        delete(machine_agent_started)
+        .where(machine_agent_started.c.machine_id == machine_id)
+        .returning(machine_agent_started.c.machine_id)
+    )
+    return forgotten.first() is not None
+
+
+async def _forget_rebooted_agent(conn: Any, machine_id: uuid.UUID, cause: str) -> None:
+    await _forget_agent(conn, machine_id)
     await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
 
 

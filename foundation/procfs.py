@@ -13,13 +13,18 @@ from pathlib import Path
 _PROC = Path("/proc")
 
 
+def _others() -> Iterator[tuple[int, Path]]:
+    """(pid, its /proc directory) of every process but this one."""
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            yield int(entry.name), entry
+
+
 def process_environments() -> Iterator[tuple[int, list[bytes]]]:
     """(pid, its NAME=value variables) of every process this user may read, other than this one."""
-    for entry in _PROC.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid, entry in _others():
         try:
-            yield int(entry.name), (entry / "environ").read_bytes().split(b"\0")
+            yield pid, (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue  # exited meanwhile, or not ours to read
 
@@ -33,13 +38,11 @@ def processes_mentioning(text: str) -> list[int]:
     """Pids of the processes, other than this one, whose command line or environment contains text."""
     needle = text.encode()
     found = []
-    for entry in _PROC.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid, entry in _others():
         try:
             details = (entry / "cmdline").read_bytes() + b"\0" + (entry / "environ").read_bytes()
         except OSError:
             continue
         if needle in details:
-            found.append(int(entry.name))
+            found.append(pid)
     return found

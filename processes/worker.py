@@ -186,6 +186,8 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
                 counted = await client.count_workflows(f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} = "{stage.value}"')
                 deps.metrics.machines.set(counted.count, {"stage": stage.value})
             deps.metrics.heartbeat_age_max.set(await deps.bmdb.oldest_heartbeat_age() or 0.0)
+            stuck = await deps.bmdb.count_stuck()
+            held = {hold.provider: hold for hold in await deps.bmdb.held_recoveries()}
             for instance in settings.provider_instances:
                 silent = await deps.bmdb.silent_machines(
                     instance.name,
@@ -194,9 +196,6 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
                     heartbeat_within=settings.heartbeat_timeout,
                 )
                 deps.metrics.machines_silent.set(len(silent), {"provider": instance.name})
-            stuck = await deps.bmdb.count_stuck()
-            held = {hold.provider: hold for hold in await deps.bmdb.held_recoveries()}
-            for instance in settings.provider_instances:
                 hold = held.get(instance.name)
                 count = hold.silent_count if hold is not None and hold.released_at is None else 0
                 deps.metrics.recoveries_held.set(count, {"provider": instance.name})
