@@ -205,8 +205,8 @@ class FleetActivities:
 
     @activity.defn
     async def ensure_machine_workflows(self, input: EnsureWorkflowsInput) -> EnsureWorkflowsResult:
-        """Start the workflow of every BMDB machine that has none running."""
-        in_bmdb = await self.deps.bmdb.list_provided(input.provider)
+        """Start the workflow of every BMDB machine that has none running, unless it was decommissioned."""
+        in_bmdb = [m for m in await self.deps.bmdb.list_provided(input.provider) if not m.retired]
         running: set[str] = set()
         async for execution in self.deps.client.list_workflows(RUNNING_MACHINES):
             running.add(execution.id)

@@ -1,4 +1,4 @@
-"""AGENT_STARTING: start the takeover agent over SSH and record its key."""
+"""AGENT_STARTING: start the takeover agent over SSH and record its key; and stop it, for a decommission."""
 
 from __future__ import annotations
 
@@ -11,8 +11,16 @@ from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
 from bmdb.store import MachineRecord
-from lifecycle.contracts import AgentFacts, StartAgentInput
-from lifecycle.takeover import TakeoverError, TakeoverSettings, TakeoverTarget, key_fingerprint, take_over
+from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
+from lifecycle.takeover import (
+    TakeoverError,
+    TakeoverSettings,
+    TakeoverTarget,
+    key_fingerprint,
+    stop_agent,
+    take_over,
+)
+from providers import MachineNotFound
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,33 @@ class TakeoverActivities:
         self.deps.metrics.takeovers.add(1, {"outcome": "ok"})
         log.info("agent started on %s machine %s (%s)", input.provider, input.provider_id, detail)
         return facts
+
+    @activity.defn
+    async def stop_agent(self, input: DecommissionInput) -> str:
+        """Stop the agent over SSH where the machine answers; what happened, in a line. Never fails on the machine:
+        an agent out of reach stops once its heartbeats are refused, or when the machine powers off."""
+        record = await self._record(uuid.UUID(input.machine_id))
+        try:
+            async with provider_errors():
+                machine = await self.deps.provider(input.provider).get_machine(input.provider_id)
+        except MachineNotFound:
+            return f"{input.provider} has no machine {input.provider_id}: no agent to stop"
+        if machine.address is None:
+            return f"{input.provider} lists no address for {input.provider_id}: no agent was started"
+        target = TakeoverTarget(
+            machine_id=input.machine_id,
+            address=machine.address,
+            port=machine.ssh_port,
+            username=machine.ssh_user or self.deps.settings.ssh_user,
+            pinned_host_key=record.ssh_host_key,
+        )
+        try:
+            answer = await stop_agent(target, self.takeover_settings, self.deps.ssh_key)
+        except TakeoverError as error:
+            log.warning("cannot stop the agent on %s machine %s: %s", input.provider, input.provider_id, error)
+            return f"not stopped over SSH ({error.problem}); its heartbeats are refused from now on"
+        log.info("stopped the agent on %s machine %s: %s", input.provider, input.provider_id, answer)
+        return f"stopped over SSH: {answer}"
 
     async def _record(self, machine_id: uuid.UUID) -> MachineRecord:
         record = await self.deps.bmdb.get_machine(machine_id)

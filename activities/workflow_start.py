@@ -21,9 +21,10 @@ async def start_machine_workflow(
             machine_input(settings, provider, provider_id, machine_id),
             id=machine_workflow_id(provider, provider_id),
             task_queue=settings.task_queue,
-            # A machine whose workflow was closed (terminated by an operator, say)
-            # still needs one: start it afresh.
-            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            # A machine whose workflow was terminated (by an operator, say) or failed still needs one: start it
+            # afresh. Only a decommission completes a machine's workflow, and that one must stay closed, even
+            # when this start raced the decommission past the BMDB check.
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
             search_attributes=initial_search_attributes(provider, provider_id, machine_id),
             static_summary=f"{provider_id} at provider {provider}",
             static_details=f"BMDB machine {machine_id}; the status query and current details tell how it is doing",

@@ -51,9 +51,10 @@ class HeartbeatLoop:
     with capped exponential back-off and jitter (retry_delay): an outage on Shepherd's side, however long,
     must not leave the fleet without agents. Once a heartbeat was accepted, an answer that the agent is
     unknown or its key wrong means a newer agent took over: this one stops. (Before that, Shepherd may simply
-    not have recorded the key yet.) superseded tells, on the machine itself, that a newer agent has taken over
-    (the reference agent: agent.key holds another key), which also stops an agent whose key Shepherd never
-    recorded (its takeover's worker died before it could).
+    not have recorded the key yet.) stop_reason tells, on the machine itself, why the agent must stop, or None:
+    a newer agent has taken over (the reference agent: agent.key holds another key), which also stops an agent
+    whose key Shepherd never recorded (its takeover's worker died before it could), or the machine is being
+    decommissioned (agent.key removed).
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class HeartbeatLoop:
         log: Callable[[str], None] = lambda line: None,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
-        superseded: Callable[[], bool] = lambda: False,
+        stop_reason: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.machine_id = machine_id
         self.key = key
@@ -82,7 +83,7 @@ class HeartbeatLoop:
         self.sleep = sleep
         # Seeded from the OS per agent, so no two agents draw the same delays.
         self.rng = rng or random.Random(os.urandom(16))
-        self.superseded = superseded
+        self.stop_reason = stop_reason
 
     def run(self, call: Callable[..., Any] | None = None) -> str:
         """Heartbeat until a newer agent has taken over; returns why it stopped. call: the RPC (tests give one)."""
@@ -98,8 +99,8 @@ class HeartbeatLoop:
         accepted_once = False
         failures = 0
         while True:
-            if self.superseded():
-                return "a newer agent has taken over this machine"
+            if (reason := self.stop_reason()) is not None:
+                return reason
             try:
                 response = call(signed_heartbeat(self.machine_id, self.key), timeout=10)
             except grpc.RpcError as error:

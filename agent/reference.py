@@ -11,6 +11,9 @@ executable, or in ``$SHEPHERD_AGENT_STATE_DIR`` if that is set. After a
 successful answer it detaches from the SSH session and sends heartbeats signed
 with that key to the endpoint it was given (agent.heartbeat).
 
+Run with ``--stop`` instead, it removes the key, and the running agent stops
+before its next heartbeat: Shepherd's decommission does this over SSH.
+
 Only protobuf, cryptography, grpcio and the ``proto`` package are needed: the
 agent modules are packed alone into the executable (see agent.build).
 """
@@ -27,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 from google.protobuf.message import DecodeError
 
-from proto import takeover_pb2
+from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
 KEY_FILE = "agent.key"
 LOG_FILE = "agent.log"
@@ -93,7 +96,25 @@ def answer(init_bytes: bytes) -> takeover_pb2.TakeoverResponse:
     )
 
 
+def stop() -> str:
+    """Remove the agent's key, which the running agent checks before every heartbeat: it stops within one interval.
+
+    The answer for Shepherd's decommission, which looks for AGENT_STOPPED at its start.
+    """
+    key_path = state_dir() / KEY_FILE
+    try:
+        key_path.unlink()
+    except FileNotFoundError:
+        return f"{AGENT_STOPPED} no agent key at {key_path}: no agent runs here"
+    except OSError as error:
+        return f"cannot remove the agent key {key_path}: {error.strerror or error}"
+    return f"{AGENT_STOPPED} removed the agent key {key_path}; the agent stops before its next heartbeat"
+
+
 def main() -> int:
+    if sys.argv[1:] == [AGENT_STOP_ARGUMENT]:
+        print(stop())
+        return 0
     init_bytes = sys.stdin.buffer.read()
     response = answer(init_bytes)
     sys.stdout.buffer.write(response.SerializeToString())
@@ -121,14 +142,18 @@ def heartbeat(init: takeover_pb2.TakeoverInit) -> None:
 
     log(f"agent for machine {init.machine_id} sending heartbeats to {init.endpoint}")
 
-    def superseded() -> bool:
-        # Every takeover writes its own key: another one there means a newer agent runs.
+    def stop_reason() -> str | None:
+        # Every takeover writes its own key: another one there means a newer agent runs; none, a decommission.
         try:
-            return key_path.read_bytes() != own_key
+            if key_path.read_bytes() != own_key:
+                return "a newer agent has taken over this machine"
+        except FileNotFoundError:
+            return f"its key {key_path} was removed: the machine is being decommissioned"
         except OSError:
-            return False
+            pass
+        return None
 
-    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, init.ca_certificate, log=log, superseded=superseded)
+    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, init.ca_certificate, log=log, stop_reason=stop_reason)
     try:
         log(f"stopped: {loop.run()}")
     except Exception as error:  # the daemon has no one else to tell

@@ -53,6 +53,10 @@ machine_provided = Table(
     Column("stuck_since", DateTime(timezone=True)),
     # Since when an operator keeps the machine out of automation (hardware work); the watchdog leaves it alone.
     Column("maintenance_since", DateTime(timezone=True)),
+    # When the machine was decommissioned, and why: a retired machine is never adopted, started or watched again;
+    # its rows stay for the history.
+    Column("retired_at", DateTime(timezone=True)),
+    Column("retired_reason", Text),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("provider", "provider_id", name="machine_provided_provider_key"),
 )

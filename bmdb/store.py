@@ -46,6 +46,8 @@ class ProvidedMachine:
     status: str
     # Marked when the provider stopped listing it (see record_provider_listing).
     missing: bool = False
+    # Decommissioned: never adopted, started or watched again.
+    retired: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class MachineRecord:
     missing_since: datetime | None = None
     # Since when its provisioning or agent start has outlasted its deadline; None when not stuck.
     stuck_since: datetime | None = None
+    # When it was decommissioned, and why; None while it is managed.
+    retired_at: datetime | None = None
+    retired_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -255,12 +260,20 @@ class BMDB:
                     machine_provided.c.provider_id,
                     machine_provided.c.status,
                     machine_provided.c.missing_since,
+                    machine_provided.c.retired_at,
                 )
                 .where(machine_provided.c.provider == provider)
                 .order_by(machine_provided.c.provider_id)
             )
             return [
-                ProvidedMachine(r.machine_id, r.provider, r.provider_id, r.status, r.missing_since is not None)
+                ProvidedMachine(
+                    r.machine_id,
+                    r.provider,
+                    r.provider_id,
+                    r.status,
+                    missing=r.missing_since is not None,
+                    retired=r.retired_at is not None,
+                )
                 for r in rows
             ]
 
@@ -318,6 +331,8 @@ class BMDB:
                     agent_heartbeat_at=r.agent_heartbeat_at,
                     missing_since=r.missing_since,
                     stuck_since=r.stuck_since,
+                    retired_at=r.retired_at,
+                    retired_reason=r.retired_reason,
                 )
                 for r in await conn.execute(query)
             ]
@@ -468,6 +483,7 @@ class BMDB:
                 machine_provided.c.missing_since.is_(None),
                 machine_provided.c.quarantined_since.is_(None),
                 machine_provided.c.maintenance_since.is_(None),
+                machine_provided.c.retired_at.is_(None),
                 or_(never, stopped),
             )
             .order_by(machine_provided.c.provider_id)
@@ -495,6 +511,7 @@ class BMDB:
                 machine_provided.c.missing_since.is_(None),
                 machine_provided.c.quarantined_since.is_(None),
                 machine_provided.c.maintenance_since.is_(None),
+                machine_provided.c.retired_at.is_(None),
             )
         )
         hold = select(recovery_holds.c.ended_at).where(recovery_holds.c.provider == provider)
@@ -642,12 +659,36 @@ class BMDB:
         async with self.engine.connect() as conn:
             return await conn.scalar(query) is not None
 
-    async def forget_silent_agent(self, machine_id: uuid.UUID, detail: str) -> bool:
-        """Forget the machine's agent, so the next takeover starts a new one without a reboot; False if none."""
+    async def forget_silent_agent(self, machine_id: uuid.UUID, detail: str, *, kind: str = "agent_forgotten") -> bool:
+        """Forget the machine's agent, so the next takeover starts a new one without a reboot, or none at all (a
+        decommission); with an event of kind. False if it had none."""
         async with self.engine.begin() as conn:
             if not await _forget_agent(conn, machine_id):
                 return False
-            await conn.execute(insert(events).values(machine_id=machine_id, kind="agent_forgotten", detail=detail))
+            await conn.execute(insert(events).values(machine_id=machine_id, kind=kind, detail=detail))
+            return True
+
+    async def retire(self, machine_id: uuid.UUID, reason: str) -> bool:
+        """Mark the machine retired (event ``decommissioned``), clear its other marks and forget its agent, in one
+        transaction; False when it was retired already, which changes nothing."""
+        async with self.engine.begin() as conn:
+            retired = await conn.execute(
+                update(machine_provided)
+                .where(machine_provided.c.machine_id == machine_id, machine_provided.c.retired_at.is_(None))
+                .values(
+                    retired_at=func.now(),
+                    retired_reason=reason,
+                    maintenance_since=None,
+                    quarantined_since=None,
+                    stuck_since=None,
+                    updated_at=func.now(),
+                )
+                .returning(machine_provided.c.machine_id)
+            )
+            if retired.first() is None:
+                return False
+            await _forget_agent(conn, machine_id)
+            await conn.execute(insert(events).values(machine_id=machine_id, kind="decommissioned", detail=reason))
             return True
 
     async def count_stuck(self) -> dict[str, int]:

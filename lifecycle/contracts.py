@@ -47,6 +47,10 @@ class MachineStage(enum.StrEnum):
     QUARANTINED = "QUARANTINED"
     # Taken out of automation by an operator (hardware work): never rebooted or taken over until it ends.
     MAINTENANCE = "MAINTENANCE"
+    # Retired for good by an operator: its agent stopped, the machine released or powered off through its provider.
+    DECOMMISSIONING = "DECOMMISSIONING"
+    # The stage of a machine's closed workflow once its decommission is done.
+    DECOMMISSIONED = "DECOMMISSIONED"
 
 
 def machine_workflow_id(provider: str, provider_id: str) -> str:
@@ -96,6 +100,7 @@ class HeartbeatLost:
 FORCE_RECOVER_SIGNAL = "force_recover"
 RELEASE_UPDATE = "release"
 SET_MAINTENANCE_UPDATE = "set_maintenance"
+DECOMMISSION_UPDATE = "decommission"
 RETRY_NOW_SIGNAL = "retry_now"
 STATUS_QUERY = "status"
 
@@ -170,6 +175,62 @@ class Maintenance:
     reason: str
     by: str
     left: MachineStage
+
+
+@dataclass
+class Decommission:
+    """A machine being decommissioned: since when, why, who asked, and what each step did so far."""
+
+    since: str
+    reason: str
+    by: str
+    # What stopping the agent over SSH found; None until tried.
+    agent: str | None = None
+    # What the provider did (RetireAction's value) and said; None until it answered.
+    provider_action: str | None = None
+    provider_detail: str | None = None
+
+
+@dataclass(frozen=True)
+class DecommissionInput:
+    """Input of the decommission activities: which machine, and the operator's reason and name for the record."""
+
+    provider: str
+    provider_id: str
+    machine_id: str
+    reason: str
+    by: str
+
+
+@dataclass(frozen=True)
+class RetireInput:
+    """Input of record_retired: mark the machine retired in BMDB, with what was done and why."""
+
+    machine_id: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class RetireResult:
+    """What retire_through_provider returns: the provider's action (a RetireAction's value) and its words."""
+
+    action: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Decommissioned:
+    """The result of a decommissioned machine's workflow: what was done, when, by whom and why."""
+
+    machine_id: str
+    provider: str
+    provider_id: str
+    decommissioned_at: str
+    reason: str
+    by: str
+    agent: str
+    provider_action: str
+    provider_detail: str
 
 
 @dataclass(frozen=True)
@@ -264,6 +325,7 @@ class MachineStatus:
     quarantine: Quarantine | None = None
     stuck: Stuck | None = None
     maintenance: Maintenance | None = None
+    decommission: Decommission | None = None
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,17 @@ def plan_reconcile(
     if max_machines < 0:
         raise ValueError(f"max_machines must not be negative, got {max_machines}")
 
+    # A decommissioned machine is history: whatever the provider says of its id, no pass adopts it again.
+    retired = {m.provider_id for m in bmdb_machines if m.retired}
+    bmdb_machines = [m for m in bmdb_machines if not m.retired]
     invalid_ids = sorted(m.provider_id for m in bmdb_machines if not is_valid_id(m.provider_id))
     bmdb = {m.provider_id: m for m in bmdb_machines if is_valid_id(m.provider_id)}
 
     used: set[str] = set()
     unused: dict[str, ProviderMachine] = {}
     for machine in provider_machines:
+        if machine.provider_id in retired:
+            continue
         availability = resolve_availability(machine, bmdb.__contains__, is_valid_id)
         if availability is Availability.KNOWN_USED:
             used.add(machine.provider_id)

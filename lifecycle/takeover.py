@@ -25,7 +25,7 @@ from asyncssh.public_key import get_default_public_key_algs
 from google.protobuf.message import DecodeError
 
 from foundation.settings import Settings
-from proto import takeover_pb2
+from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
 ED25519_KEY_SIZE = 32
 # A TakeoverResponse is a few hundred bytes; an agent writing more than this is
@@ -203,6 +203,39 @@ async def take_over(target: TakeoverTarget, settings: TakeoverSettings, client_k
         host_key=host_key,
         warnings=list(success.warnings),
         stderr=stderr[-STDERR_IN_RESULT:],
+    )
+
+
+async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey) -> str:
+    """Ask the agent executable on target to stop the agent that runs there; what it answered, in one line.
+
+    The host key is checked as for a takeover, before anything is sent. Raises TakeoverError when there is no
+    session, or the executable does not confirm the stop (an agent without --stop, or none uploaded).
+    """
+    connection = await _connect(target, settings.connect_timeout, client_key)
+    try:
+        async with asyncio.timeout(settings.exec_timeout):
+            run = await _run_agent(connection, target, settings.target_path, b"", AGENT_STOP_ARGUMENT)
+    except TimeoutError:
+        raise TakeoverError(
+            TakeoverFailure.EXEC_TIMEOUT, target, f"the agent's stop took longer than {settings.exec_timeout:g}s"
+        ) from None
+    except (asyncssh.Error, OSError) as error:
+        raise TakeoverError(
+            TakeoverFailure.SSH_ERROR, target, f"SSH failed while stopping the agent: {error}"
+        ) from None
+    finally:
+        await _close(connection, settings.connect_timeout)
+    lines = run.stdout.decode(errors="replace").strip().splitlines()
+    answer = lines[0][:STDERR_IN_MESSAGE] if lines else ""
+    if run.exit_status == 0 and answer.startswith(AGENT_STOPPED):
+        return answer
+    shown = " | ".join(run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:].splitlines()) or "(empty)"
+    raise TakeoverError(
+        TakeoverFailure.EXEC_FAILED,
+        target,
+        f"{settings.target_path} {AGENT_STOP_ARGUMENT} did not confirm the stop (exit status {run.exit_status}, "
+        f"answer {answer[:100]!r}, stderr: {shown})",
     )
 
 
@@ -410,12 +443,16 @@ class _AgentRun:
 
 
 async def _run_agent(
-    connection: asyncssh.SSHClientConnection, target: TakeoverTarget, target_path: str, init: bytes
+    connection: asyncssh.SSHClientConnection,
+    target: TakeoverTarget,
+    target_path: str,
+    init: bytes,
+    *arguments: str,
 ) -> _AgentRun:
     # A bare name would be looked up in PATH by the remote shell, not in the home directory.
     command_path = target_path if "/" in target_path else f"./{target_path}"
     process: asyncssh.SSHClientProcess[bytes] = await connection.create_process(
-        shlex.quote(command_path), encoding=None
+        shlex.join([command_path, *arguments]), encoding=None
     )
     try:
         process.stdin.write(init)

@@ -31,6 +31,7 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
+from activities.decommission import DecommissionActivities
 from activities.deps import ActivityDeps, open_activity_deps
 from activities.fleet import FleetActivities
 from activities.provisioning import ProvisioningActivities
@@ -64,6 +65,7 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
     provisioning = ProvisioningActivities(deps)
     takeover = TakeoverActivities(deps)
     recovery = RecoveryActivities(deps)
+    decommission = DecommissionActivities(deps)
     common: dict[str, Any] = {
         "interceptors": [LogContextInterceptor()],
         "max_concurrent_activities": settings.max_concurrent_activities,
@@ -85,6 +87,8 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
                 recovery.record_stuck,
                 recovery.record_maintenance,
                 recovery.check_agent_after_maintenance,
+                decommission.forget_decommissioned_agent,
+                decommission.record_retired,
             ],
             max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
             **common,
@@ -102,6 +106,8 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
                     recovery.reboot_through_provider,
                     recovery.wait_for_boot,
                     recovery.reboot_machine,
+                    takeover.stop_agent,
+                    decommission.retire_through_provider,
                 ],
                 max_task_queue_activities_per_second=instance.activities_per_second or None,
                 **common,

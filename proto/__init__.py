@@ -8,3 +8,8 @@ The ``*_pb2`` modules are generated from the ``.proto`` files beside them by
 # every live agent is back within this and one heartbeat interval, which the watchdog waits for before it
 # recovers the machines that fell silent during the outage.
 AGENT_MAX_RETRY_INTERVAL = 300.0
+
+# Run with this argument (and nothing on standard input), the agent executable stops the agent that runs on the
+# machine, and answers a line that begins with AGENT_STOPPED on its standard output.
+AGENT_STOP_ARGUMENT = "--stop"
+AGENT_STOPPED = "stopped:"

@@ -2,7 +2,7 @@
 
 A provider is the API of a bare-metal cloud, a set of BMCs, or the simulator.
 Shepherd asks it for its machines and free capacity, creates machines from
-capacity, and reboots machines whose agent went silent.
+capacity, reboots machines whose agent went silent, and retires decommissioned ones.
 """
 
 from __future__ import annotations
@@ -47,6 +47,25 @@ class Rebooted:
     # The provider saw the machine go down (its power read back off, or its API says it is booting), so SSH that
     # answers afterwards is the new boot. False: Shepherd first waits for SSH to go away, then to answer again.
     went_down: bool
+    detail: str = ""
+
+
+class RetireAction(enum.StrEnum):
+    """What a provider did with a decommissioned machine."""
+
+    # The provider took the machine back (a cloud's release, the simulator's freed slot).
+    RELEASED = "released"
+    # The machine stays where it is, powered off through its BMC.
+    POWERED_OFF = "powered_off"
+    # The provider could do nothing (no BMC, or it holds no such machine); the detail says what is left to do.
+    UNTOUCHED = "untouched"
+
+
+@dataclass(frozen=True)
+class Retired:
+    """What a provider did to retire a machine for good, in its own words."""
+
+    action: RetireAction
     detail: str = ""
 
 
@@ -120,6 +139,13 @@ class Provider(Protocol):
 
     async def reboot_machine(self, provider_id: str) -> Rebooted:
         """Power-cycle the machine; return once the provider has done it, saying whether it saw the machine down."""
+        ...
+
+    async def retire_machine(self, provider_id: str) -> Retired:
+        """Release the machine to the provider, or power it off, for good; the provider says which it did.
+
+        Repeating the call is harmless: a machine released or off already is reported as such.
+        """
         ...
 
     async def close(self) -> None:

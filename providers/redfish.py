@@ -32,6 +32,7 @@ _BUSY_STATUSES = frozenset({409, 429})
 # PoweringOn counts as having been off: a fast machine may be past Off by the time we look.
 _DOWN = frozenset({PowerState.OFF, PowerState.POWERING_ON})
 _UP = frozenset({PowerState.ON})
+_OFF = frozenset({PowerState.OFF})
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ class BmcSystemUnknown(ProviderError):
     retryable = False
 
 
-class RebootNotConfirmed(ProviderError):
-    """The BMC took the reset, but the machine did not go off and come back on in time."""
+class PowerNotConfirmed(ProviderError):
+    """The BMC took the reset, but the machine did not go off (and come back on, for a reboot) in time."""
 
 
 # asyncio locks belong to one event loop once contended, so each loop gets its own set.
@@ -130,28 +131,48 @@ class RedfishPowerControl:
                 return await self._power_cycle(system, allowed)
             return await self._restart(system, allowed)
 
+    async def power_off(self) -> PowerReport:
+        """Power the machine off for good: gracefully when the BMC allows it and the OS shuts down in time, else by
+        force; confirmed by reading the power state back Off. A machine that is off already is left so."""
+        async with self._session() as root:
+            system = await self._call(lambda: self._open_system(root))
+            if system.power_state == PowerState.OFF:
+                return PowerReport(system.path, PowerState.OFF.value, "was off already")
+            allowed = await self._call(system.get_allowed_reset_system_values)
+            sent, off_after = await self._shut_down(system, allowed, _OFF)
+            return PowerReport(system.path, PowerState.OFF.value, f"{'; '.join(sent)}; off after {off_after:.0f}s")
+
     async def _power_cycle(self, system: Any, allowed: Collection[ResetType]) -> PowerReport:
+        started = time.monotonic()
+        sent, off_after = await self._shut_down(system, allowed, _DOWN)
+        report = await self._power_on(system, allowed, started, before=f"went off after {', then '.join(sent)}")
+        return replace(report, detail=f"{'; '.join(sent)}; off after {off_after:.0f}s; {report.detail}")
+
+    async def _shut_down(
+        self, system: Any, allowed: Collection[ResetType], down: frozenset[PowerState]
+    ) -> tuple[list[str], float]:
+        """GracefulShutdown if allowed, ForceOff if that is not enough, until the power state is one of down:
+        (the resets sent, seconds until it was)."""
         started = time.monotonic()
         sent: list[str] = []
         went_off = False
         if ResetType.GRACEFUL_SHUTDOWN in allowed:
             sent.append(ResetType.GRACEFUL_SHUTDOWN.value)
             await self._reset(system, ResetType.GRACEFUL_SHUTDOWN)
-            went_off = await self._wait_for(system, _DOWN, self._timeouts.graceful)
+            went_off = await self._wait_for(system, down, self._timeouts.graceful)
         if not went_off:
             # No graceful way, or the OS ignored or hung in its shutdown.
-            sent.append(f"ForceOff after {time.monotonic() - started:.0f}s" if sent else ResetType.FORCE_OFF.value)
-            await self._reset(system, ResetType.FORCE_OFF)
-            went_off = await self._wait_for(system, _DOWN, self._timeouts.power_back)
+            forced = self._pick(allowed, ResetType.FORCE_OFF)
+            sent.append(f"ForceOff after {time.monotonic() - started:.0f}s" if sent else forced.value)
+            await self._reset(system, forced)
+            went_off = await self._wait_for(system, down, self._timeouts.power_back)
         if not went_off:
-            raise RebootNotConfirmed(
+            raise PowerNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} did not power off after {', then '.join(sent)} "
                 f"(waited {self._timeouts.graceful:g}s, {self._timeouts.power_back:g}s once forced; {self._bmc})",
             )
-        off_after = time.monotonic() - started
-        report = await self._power_on(system, allowed, started, before=f"went off after {', then '.join(sent)}")
-        return replace(report, detail=f"{'; '.join(sent)}; off after {off_after:.0f}s; {report.detail}")
+        return sent, time.monotonic() - started
 
     async def _power_on(
         self, system: Any, allowed: Collection[ResetType], started: float | None = None, before: str = "was off"
@@ -160,7 +181,7 @@ class RedfishPowerControl:
         started = time.monotonic() if started is None else started
         await self._reset(system, reset)
         if not await self._wait_for(system, _UP, self._timeouts.power_back):
-            raise RebootNotConfirmed(
+            raise PowerNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} {before} and did not come back on within {self._timeouts.power_back:g}s "
                 f"of {reset.value} ({self._bmc})",
@@ -181,14 +202,14 @@ class RedfishPowerControl:
             await self._reset(system, ResetType.FORCE_RESTART)
             went_off = await self._wait_for(system, _DOWN, self._timeouts.graceful)
         if not went_off:
-            raise RebootNotConfirmed(
+            raise PowerNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} did not power off within {self._timeouts.graceful:g}s "
                 f"of {', then '.join(sent)} ({self._bmc})",
             )
         off_after = time.monotonic() - started
         if not await self._wait_for(system, _UP, self._timeouts.power_back):
-            raise RebootNotConfirmed(
+            raise PowerNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} went off after {', then '.join(sent)} but did not come back on "
                 f"within {self._timeouts.power_back:g}s ({self._bmc})",

@@ -21,6 +21,8 @@ from providers import (
     ProviderProtocolError,
     ProviderUnavailable,
     Rebooted,
+    RetireAction,
+    Retired,
 )
 from providers.registry import duration_option, unknown_options
 
@@ -148,6 +150,15 @@ class SimProvider:
             raise self._unexpected(where, status, payload)
         # The simulator answers once the machine's SSH is down for the boot.
         return Rebooted(went_down=True, detail="the simulator took SSH down for the boot")
+
+    async def retire_machine(self, provider_id: str) -> Retired:
+        where = f"release machine {provider_id}"
+        status, payload = await self._request(where, "DELETE", f"/v1/machines/{provider_id}")
+        if status == 404:
+            return Retired(RetireAction.UNTOUCHED, f"the simulator holds no machine {provider_id}: released already")
+        if status != 200:
+            raise self._unexpected(where, status, payload)
+        return Retired(RetireAction.RELEASED, f"the simulator wiped {provider_id} and freed its slot")
 
 
 def from_settings(instance: ProviderInstance, settings: Settings) -> SimProvider:

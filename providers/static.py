@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from foundation.settings import ProviderInstance, Settings, SettingsError
-from providers import Availability, MachineNotFound, ProviderError, ProviderMachine, Rebooted
+from providers import Availability, MachineNotFound, ProviderError, ProviderMachine, Rebooted, RetireAction, Retired
 from providers.redfish import PowerReport, RedfishEndpoint, RedfishPowerControl, RedfishTimeouts
 from providers.registry import duration_option, unknown_options
 
@@ -56,6 +56,8 @@ class PowerControl(Protocol):
     async def reboot(self) -> PowerReport: ...
 
     async def probe(self) -> PowerReport: ...
+
+    async def power_off(self) -> PowerReport: ...
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,17 @@ class StaticProvider:
         )
         # Every way the BMC client reboots is confirmed by reading the power state back off, then on.
         return Rebooted(went_down=True, detail=f"{report.detail}; power {report.power_state}")
+
+    async def retire_machine(self, provider_id: str) -> Retired:
+        try:
+            machine = self._listed(provider_id)
+        except MachineNotFound:
+            return Retired(RetireAction.UNTOUCHED, f"{provider_id} is not in the inventory {self.inventory} any more")
+        keep_out = f"take {provider_id} out of the inventory {self.inventory}"
+        if machine.bmc is None:
+            return Retired(RetireAction.UNTOUCHED, f"no BMC in the inventory: power it off by hand, and {keep_out}")
+        report = await self._power(self._name, machine.bmc.endpoint(provider_id, self._name)).power_off()
+        return Retired(RetireAction.POWERED_OFF, f"through its BMC ({report.system}): {report.detail}; {keep_out}")
 
     async def close(self) -> None:
         pass

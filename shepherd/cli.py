@@ -20,6 +20,7 @@ from foundation.settings import SettingsError
 from foundation.startup import StartupError
 from shepherd.commands import (
     config,
+    decommission,
     dev,
     events,
     fleet,
@@ -47,6 +48,7 @@ COMMANDS = (
     recover,
     release,
     maintenance,
+    decommission,
     reset_host_key,
     machines,
     status,

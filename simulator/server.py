@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import random
+import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -66,6 +67,7 @@ class Simulator:
                 web.post("/v1/machines", self._create),
                 web.get("/v1/machines/{id}", self._get),
                 web.post("/v1/machines/{id}/reboot", self._reboot),
+                web.delete("/v1/machines/{id}", self._release),
                 web.get("/admin/state", self._admin_state),
                 web.post("/admin/faults", self._admin_faults),
                 web.post("/admin/machines/{id}/kill-agent", self._admin_kill_agent),
@@ -223,6 +225,20 @@ class Simulator:
         self._reboots.add(1)
         await machine.reboot(self.config.boot_seconds, lambda: self.faults.refuses(slot))
         return web.json_response(self.view(slot), status=202)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        """Take a machine back: it goes down, its disk is wiped, and its slot is free capacity again."""
+        slot = request.match_info["id"]
+        async with self._create_lock:
+            machine = self.machines.pop(slot, None)
+            if machine is None:
+                return _error(404, f"no machine {slot}")
+            await machine.shutdown()
+            del self.state.machines[slot]
+            shutil.rmtree(machine.root_fs.parent, ignore_errors=True)
+            self._save()
+        log.info("released machine %s: its slot is free capacity again", slot)
+        return web.json_response(self.view(slot), status=200)
 
     async def _admin_state(self, request: web.Request) -> web.Response:
         return web.json_response(

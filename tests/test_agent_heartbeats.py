@@ -202,7 +202,7 @@ def test_the_agent_never_gives_up_and_stops_only_when_refused_after_acceptance()
 def test_an_agent_whose_key_was_never_recorded_stops_once_a_newer_agent_runs_on_its_machine():
     # Its takeover's worker died before recording the key: Shepherd refuses it, and it cannot tell why.
     calls: list[str] = []
-    checks = iter([False] * 5 + [True])
+    checks = iter([None] * 5 + ["a newer agent has taken over this machine"])
 
     def call(request: agent_api_pb2.HeartbeatRequest, timeout: float) -> agent_api_pb2.HeartbeatResponse:
         calls.append(request.machine_id)
@@ -214,7 +214,7 @@ def test_an_agent_whose_key_was_never_recorded_stops_once_a_newer_agent_runs_on_
         "h:1",
         b"",
         sleep=lambda _: None,
-        superseded=lambda: next(checks),
+        stop_reason=lambda: next(checks),
     )
     assert loop.run(call) == "a newer agent has taken over this machine"
     assert len(calls) == 5

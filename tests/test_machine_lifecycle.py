@@ -25,11 +25,13 @@ from temporalio.worker import Worker
 
 from foundation.settings import Settings
 from lifecycle.contracts import (
+    MACHINE_STAGE,
     AgentCheckInput,
     AgentFacts,
     Backoff,
     BootWaitInput,
     BootWaitResult,
+    DecommissionInput,
     HeartbeatLost,
     LifecyclePolicy,
     MachineInput,
@@ -41,6 +43,8 @@ from lifecycle.contracts import (
     QuarantineInput,
     RebootInput,
     RebootResult,
+    RetireInput,
+    RetireResult,
     StartAgentInput,
     StuckInput,
     provider_task_queue,
@@ -56,8 +60,13 @@ SEED_AGENT_BACKOFF = SEED_POLICY.agent_start_backoff
 class FakeMachineActivities:
     """Stand-ins that fail agent starts, reboots and their records a set number of times, recording when and what."""
 
-    def __init__(self, agent_failures: int = 0, reboot_failures: int = 0, record_failures: int = 0) -> None:
+    def __init__(
+        self, agent_failures: int = 0, reboot_failures: int = 0, record_failures: int = 0, retire_failures: int = 0
+    ) -> None:
         self.agent_failures = agent_failures
+        self.retire_failures = retire_failures
+        self.retirements: list[DecommissionInput] = []
+        self.retired_records: list[str] = []
         self.reboot_failures = reboot_failures
         self.record_failures = record_failures
         self.agent_attempt_times: list[float] = []
@@ -75,7 +84,14 @@ class FakeMachineActivities:
     @property
     def activities(self) -> list[Any]:
         """The provider queue's."""
-        return [self.provision_machine, self.start_agent, self.reboot_through_provider, self.wait_for_boot]
+        return [
+            self.provision_machine,
+            self.start_agent,
+            self.reboot_through_provider,
+            self.wait_for_boot,
+            self.stop_agent,
+            self.retire_through_provider,
+        ]
 
     @property
     def main_queue_activities(self) -> list[Any]:
@@ -85,7 +101,31 @@ class FakeMachineActivities:
             self.record_stuck,
             self.record_maintenance,
             self.check_agent_after_maintenance,
+            self.forget_decommissioned_agent,
+            self.record_retired,
         ]
+
+    @activity.defn(name="forget_decommissioned_agent")
+    async def forget_decommissioned_agent(self, input: DecommissionInput) -> None:
+        self.calls.append("forget_decommissioned_agent")
+
+    @activity.defn(name="stop_agent")
+    async def stop_agent(self, input: DecommissionInput) -> str:
+        self.calls.append("stop_agent")
+        raise ApplicationError("SSH refused", type="SSH_ERROR", non_retryable=True)
+
+    @activity.defn(name="retire_through_provider")
+    async def retire_through_provider(self, input: DecommissionInput) -> RetireResult:
+        self.calls.append("retire_through_provider")
+        self.retirements.append(input)
+        if len(self.retirements) <= self.retire_failures:
+            raise ApplicationError("provider sim: unavailable", type="ProviderUnavailable", non_retryable=True)
+        return RetireResult(action="released", detail="slot freed")
+
+    @activity.defn(name="record_retired")
+    async def record_retired(self, input: RetireInput) -> None:
+        self.calls.append("record_retired")
+        self.retired_records.append(input.detail)
 
     @activity.defn(name="record_maintenance")
     async def record_maintenance(self, input: MaintenanceInput) -> None:
@@ -595,4 +635,104 @@ async def test_maintenance_requests_that_make_no_sense_are_refused(time_skipping
             await maintenance(handle, on=True, reason="fans again")
         assert "already in maintenance, asked by carol" in str(refused.value.cause)
         assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.MAINTENANCE
+        await handle.terminate()
+
+
+async def decommission(handle: Any, **request: Any) -> str:
+    return await handle.execute_update(MachineWorkflow.decommission, request)
+
+
+async def test_a_decommissioned_machine_is_retired_and_its_workflow_completes_with_what_was_done(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(retire_failures=2)
+    async with machine_worker(env, fakes, "decommission") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        answer = await decommission(handle, reason="end of lease", by="dave")
+        assert answer.startswith("decommissioning (end of lease): its agent is stopped, then provider sim releases")
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await decommission(handle, reason="again")
+        assert "it is being decommissioned, asked by dave" in str(refused.value.cause)
+        await env.sleep(timedelta(seconds=1))
+        status = await handle.query(MachineWorkflow.status)
+        # The provider's outage is retried with the back-off, shown like any failing step's.
+        assert status.stage is MachineStage.DECOMMISSIONING and status.attempts >= 1
+        assert status.last_error == "ProviderUnavailable: provider sim: unavailable"
+        # The watchdog and an operator's maintenance no longer apply.
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await maintenance(handle, on=True, reason="fans", by="erin")
+        assert "it is being decommissioned" in str(refused.value.cause)
+
+        result = await handle.result()
+        assert (result.reason, result.by, result.provider_action) == ("end of lease", "dave", "released")
+        assert result.agent.startswith("not stopped (SSH_ERROR: SSH refused)")
+        assert fakes.calls[-6:] == [
+            "forget_decommissioned_agent",
+            "stop_agent",
+            "retire_through_provider",
+            "retire_through_provider",
+            "retire_through_provider",
+            "record_retired",
+        ]
+        assert fakes.reboots == [] and len(fakes.agent_attempt_times) == 1
+        assert fakes.retired_records[0].startswith("asked by dave: end of lease; agent: not stopped")
+        description = await handle.describe()
+        assert description.typed_search_attributes.get(MACHINE_STAGE) == MachineStage.DECOMMISSIONED.value
+
+
+async def test_decommissioning_a_recovering_machine_waits_for_its_reboot(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(reboot_failures=1)
+    async with machine_worker(env, fakes, "decommission-recovering") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
+        await env.sleep(timedelta(seconds=1))
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.RECOVERING
+        answer = await decommission(handle, reason="dead disk", by="dave")
+        assert answer.startswith("decommission asked (dead disk): once its reboot is done")
+        result = await handle.result()
+        assert result.provider_action == "released"
+        # The reboot under way finished; nothing was taken over after it.
+        assert fakes.calls.index("reboot_through_provider") < fakes.calls.index("retire_through_provider")
+        assert "start_agent" not in fakes.calls[fakes.calls.index("reboot_through_provider") :]
+
+
+@pytest.mark.parametrize("held_in", ["maintenance", "quarantine", "failing agent start"])
+async def test_a_machine_held_apart_is_decommissioned_at_once(time_skipping_env, held_in: str):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=100 if held_in == "failing agent start" else 0)
+    policy = replace(FAST, recovery_budget=0, recovery_budget_window=3600)
+    async with machine_worker(env, fakes, "decommission-held") as queue:
+        if held_in == "failing agent start":
+            handle = await start_machine(env, queue, SEED_POLICY)
+            expected = MachineStage.AGENT_STARTING
+        else:
+            handle = await watching_machine(env, fakes, queue, policy)
+            if held_in == "maintenance":
+                await maintenance(handle, on=True, reason="fans", by="erin")
+                expected = MachineStage.MAINTENANCE
+            else:
+                await lose_heartbeat(env, handle, "silent")
+                expected = MachineStage.QUARANTINED
+        await env.sleep(timedelta(seconds=1))
+        assert (await handle.query(MachineWorkflow.status)).stage is expected
+        await decommission(handle, reason="scrapped", by="frank")
+        await env.sleep(timedelta(seconds=2))
+        result = await handle.result()
+        assert result.by == "frank" and fakes.reboots == []
+        # Woken from its back-off at once: no attempt after the decommission was asked for.
+        assert fakes.calls.count("start_agent") == 1
+
+
+async def test_decommission_requests_without_a_reason_are_refused(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "decommission-refused") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        for request in [None, {}, {"reason": "  "}, {"by": "x"}, 42]:
+            with pytest.raises(WorkflowUpdateFailedError) as refused:
+                await handle.execute_update(MachineWorkflow.decommission, request)
+            assert "say why the machine is decommissioned" in str(refused.value.cause), request
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
+        assert "retire_through_provider" not in fakes.calls
         await handle.terminate()

@@ -21,7 +21,7 @@ from providers.redfish import (
     BmcCredentialsRejected,
     BmcSystemUnknown,
     BmcUnavailable,
-    RebootNotConfirmed,
+    PowerNotConfirmed,
     RedfishEndpoint,
     RedfishPowerControl,
     RedfishTimeouts,
@@ -167,7 +167,7 @@ async def test_machine_that_stays_off_fails_retryable(bmc: Bmc) -> None:
     for _ in range(3):
         try:
             await control(bmc, bmc.systems["stays-off"], timeouts=timeouts).reboot()
-        except RebootNotConfirmed as error:
+        except PowerNotConfirmed as error:
             assert error.retryable
             assert "did not come back on within 0.3s" in str(error)
             assert MACHINE in str(error)

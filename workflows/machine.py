@@ -1,10 +1,13 @@
 """MachineWorkflow: one machine's lifecycle, one workflow per machine.
 
 PROVISIONING -> AGENT_STARTING -> WATCHING -> RECOVERING -> AGENT_STARTING ...
-and, past the recovery budget, WATCHING -> QUARANTINED -> (an operator's release) RECOVERING.
+and, past the recovery budget, WATCHING -> QUARANTINED -> (an operator's release) RECOVERING;
+an operator's maintenance pauses any stage at its next safe point, and a decommission ends the workflow there:
+... -> DECOMMISSIONING -> DECOMMISSIONED, the one way a machine's workflow completes.
 Signals: ``force_recover`` (an operator), ``heartbeat_lost`` (the fleet
 watchdog) and ``retry_now`` (an operator who fixed what made a step fail);
-update: ``release`` (of a quarantined machine); query: ``status``. The workflow id
+updates: ``release`` (of a quarantined machine), ``set_maintenance``, ``decommission``; query: ``status``.
+The workflow id
 ``machine-<provider>-<provider_id>`` makes Temporal the per-machine lock: no
 two workers ever act on the same machine at once.
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
@@ -27,10 +30,12 @@ from temporalio.exceptions import ActivityError
 from workflows.failures import describe_failure
 
 with workflow.unsafe.imports_passed_through():
+    from activities.decommission import DecommissionActivities
     from activities.provisioning import ProvisioningActivities
     from activities.recovery import RecoveryActivities
     from activities.takeover import TakeoverActivities
     from lifecycle.contracts import (
+        DECOMMISSION_UPDATE,
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
         RELEASE_UPDATE,
@@ -42,6 +47,9 @@ with workflow.unsafe.imports_passed_through():
         Backoff,
         BootWaitInput,
         BootWaitResult,
+        Decommission,
+        Decommissioned,
+        DecommissionInput,
         LifecyclePolicy,
         MachineInput,
         MachineStage,
@@ -55,6 +63,8 @@ with workflow.unsafe.imports_passed_through():
         RebootInput,
         RebootResult,
         RecoveryRecord,
+        RetireInput,
+        RetireResult,
         StartAgentInput,
         Stuck,
         StuckInput,
@@ -96,14 +106,18 @@ def operator_of(by: Any) -> str:
     return by.strip()[:100] if isinstance(by, str) and by.strip() else "unknown"
 
 
-def release_request(request: Any) -> tuple[str, str]:
-    """(reason, who) of a release update's argument; ValueError when it gives no reason."""
+def operator_request(request: Any, why: str) -> tuple[str, str]:
+    """(reason, who) of an operator's update argument; ValueError, asking why, when it gives no reason."""
     reason, by = request, None
     if isinstance(request, dict):
         reason, by = request.get("reason"), request.get("by")
     if not isinstance(reason, str) or not reason.strip():
-        raise ValueError('say why the machine may be recovered again: {"reason": "...", "by": "..."}')
+        raise ValueError(f'say why {why}: {{"reason": "...", "by": "..."}}')
     return reason.strip()[:500], operator_of(by)
+
+
+class _DecommissionNow(Exception):
+    """Leaves a step's retries, a maintenance or a quarantine for the decommission an operator asked for."""
 
 
 def maintenance_request(request: Any) -> tuple[bool, str, str, bool]:
@@ -152,9 +166,20 @@ class MachineWorkflow:
         # An operator's maintenance, asked for and not yet ended; and (who, why, reboot?) of its end.
         self._maintenance_asked: Maintenance | None = None
         self._maintenance_off: tuple[str, str, bool] | None = None
+        # An operator's decommission, asked for; it begins at the next safe point.
+        self._decommission_asked: Decommission | None = None
 
     @workflow.run
-    async def run(self, input: MachineInput) -> None:
+    async def run(self, input: MachineInput) -> Decommissioned | None:
+        """None when the machine's life goes on in a new run (continue-as-new); what was done once decommissioned."""
+        try:
+            await self._live(input)
+        except _DecommissionNow:
+            return await self._decommission(input)
+
+    async def _live(self, input: MachineInput) -> NoReturn:
+        """The machine's stages up to its next recovery cycle, which continues as new; _DecommissionNow at a safe
+        point once a decommission was asked for."""
         status = self._status
         self._set_stage(status.stage)
 
@@ -181,9 +206,11 @@ class MachineWorkflow:
             lambda: (
                 status.recovery_requested is not None
                 or self._maintenance_asked is not None
+                or self._decommission_asked is not None
                 or workflow.info().is_continue_as_new_suggested()
             )
         )
+        self._stop_if_decommissioned()
         take_over_again = False
         if self._maintenance_asked is not None:
             take_over_again = await self._maintenance_from_watching()
@@ -220,8 +247,9 @@ class MachineWorkflow:
                 *self._within_budget_window(input.policy),
                 RecoveryRecord(self._now(), reason),
             ]
+        # Asked while the machine rebooted: the next run would not know of it.
+        self._stop_if_decommissioned()
         if self._maintenance_asked is not None:
-            # Asked while the machine booted: the next run would not know of it.
             await self._in_maintenance()
         # Each recovery cycle starts a fresh history, so a machine that recovers
         # a hundred times keeps a short one.
@@ -279,7 +307,7 @@ class MachineWorkflow:
 
         An update, not a signal, so the caller hears whether it was quarantined at all.
         """
-        reason, by = release_request(request)
+        reason, by = operator_request(request, "the machine may be recovered again")
         self._release = (by, reason)
         workflow.logger.info("released by %s: %s", by, reason, extra=self._log_fields)
         return f"released by {by} ({reason}): the held recovery reboots it now, and its budget starts afresh"
@@ -288,7 +316,8 @@ class MachineWorkflow:
     def _release_allowed(self, request: Any = None) -> None:
         if self._status.stage is not MachineStage.QUARANTINED or self._release is not None:
             raise ValueError(f"not quarantined: it is {self._status.stage}")
-        release_request(request)
+        self._refuse_if_decommissioned()
+        operator_request(request, "the machine may be recovered again")
 
     @workflow.update(name=SET_MAINTENANCE_UPDATE)
     def set_maintenance(self, request: Any = None) -> str:
@@ -314,6 +343,7 @@ class MachineWorkflow:
     @set_maintenance.validator
     def _maintenance_allowed(self, request: Any = None) -> None:
         on, _, _, _ = maintenance_request(request)
+        self._refuse_if_decommissioned()
         status = self._status
         asked = self._maintenance_asked
         if on and asked is not None:
@@ -325,8 +355,47 @@ class MachineWorkflow:
         if not on and self._maintenance_off is not None:
             raise ValueError("its maintenance is ending already")
 
+    @workflow.update(name=DECOMMISSION_UPDATE)
+    def decommission(self, request: Any = None) -> str:
+        """``decommission``: ``{"reason": ..., "by": ...}`` retires the machine for good at the next safe point.
+
+        An update, so the caller hears whether it was taken and when it begins.
+        """
+        reason, by = operator_request(request, "the machine is decommissioned")
+        self._decommission_asked = Decommission(since=self._now(), reason=reason, by=by)
+        workflow.logger.info("decommission asked by %s: %s", by, reason, extra=self._log_fields)
+        self._show_details()
+        stage = self._status.stage
+        then = f"its agent is stopped, then provider {self._status.provider} releases or powers it off"
+        if stage is MachineStage.RECOVERING:
+            return f"decommission asked ({reason}): once its reboot is done, {then}"
+        if stage in (MachineStage.PROVISIONING, MachineStage.AGENT_STARTING):
+            return f"decommission asked ({reason}): it is {stage}; once the current attempt ends, {then}"
+        return f"decommissioning ({reason}): {then}"
+
+    @decommission.validator
+    def _decommission_allowed(self, request: Any = None) -> None:
+        self._refuse_if_decommissioned()
+        operator_request(request, "the machine is decommissioned")
+
+    def _refuse_if_decommissioned(self) -> None:
+        asked = self._decommission_asked
+        if asked is not None:
+            raise ValueError(f"it is being decommissioned, asked by {asked.by} at {asked.since}: {asked.reason}")
+
+    def _decommission_pending(self) -> bool:
+        return self._decommission_asked is not None and self._status.stage is not MachineStage.DECOMMISSIONING
+
+    def _stop_if_decommissioned(self) -> None:
+        """At a safe point (no activity under way): leave for the decommission, if one was asked for."""
+        if self._decommission_pending():
+            raise _DecommissionNow()
+
     def _request_recovery(self, reason: str) -> None:
         status = self._status
+        if self._decommission_asked is not None:
+            workflow.logger.info("being decommissioned; recovery not done: %s", reason, extra=self._log_fields)
+            return
         if status.stage is MachineStage.QUARANTINED and reason.startswith("forced:") and self._release is None:
             # An operator who forces a recovery of a quarantined machine means it: that is a release.
             self._release = ("force_recover", reason)
@@ -378,7 +447,8 @@ class MachineWorkflow:
         status.maintenance = asked
         self._set_stage(MachineStage.MAINTENANCE)
         await self._record_maintenance(True, f"by {asked.by}: {asked.reason} (it was {asked.left})")
-        await workflow.wait_condition(lambda: self._maintenance_off is not None)
+        await workflow.wait_condition(lambda: self._maintenance_off is not None or self._decommission_pending())
+        self._stop_if_decommissioned()
         assert self._maintenance_off is not None
         by, reason, recover = self._maintenance_off
         await self._record_maintenance(False, f"by {by}: {reason}" + ("; reboot asked" if recover else ""))
@@ -414,6 +484,78 @@ class MachineWorkflow:
             workflow.logger.info("agent silent after maintenance: taking over again", extra=self._log_fields)
         return not alive
 
+    async def _decommission(self, input: MachineInput) -> Decommissioned:
+        """Forget the agent in BMDB, stop it over SSH where it answers, retire the machine through its provider
+        (tried until the provider does it), mark it retired in BMDB; the workflow then completes with the record."""
+        status = self._status
+        asked = self._decommission_asked
+        assert asked is not None
+        status.decommission = asked
+        status.recovery_requested = status.maintenance = status.quarantine = status.stuck = None
+        self._maintenance_asked = self._maintenance_off = self._release = None
+        status.attempts, status.last_error, status.next_attempt_at = 0, None, None
+        self._set_stage(MachineStage.DECOMMISSIONING)
+        provider_queue = provider_task_queue(workflow.info().task_queue, input.provider)
+        request = DecommissionInput(
+            provider=input.provider,
+            provider_id=input.provider_id,
+            machine_id=input.machine_id,
+            reason=asked.reason,
+            by=asked.by,
+        )
+        await self._mark(
+            DecommissionActivities.forget_decommissioned_agent,
+            request,
+            f"forget the agent of {input.provider_id} in BMDB, so its heartbeats are refused",
+        )
+        try:
+            asked.agent = await workflow.execute_activity_method(
+                TakeoverActivities.stop_agent,
+                request,
+                summary=f"stop the agent on {input.provider_id} over SSH",
+                start_to_close_timeout=timedelta(seconds=input.policy.agent_start_timeout),
+                retry_policy=_BLIP_RETRY,
+                task_queue=provider_queue,
+            )
+        except ActivityError as error:
+            asked.agent = f"not stopped ({describe_failure(error)}); its heartbeats are refused from now on"
+        self._show_details()
+        retired: RetireResult = await self._until_success(
+            input.policy.recovery_backoff,
+            lambda: workflow.execute_activity_method(
+                DecommissionActivities.retire_through_provider,
+                request,
+                summary=f"release or power off {input.provider_id} through provider {input.provider}",
+                start_to_close_timeout=timedelta(seconds=input.policy.recovery_timeout),
+                retry_policy=_BLIP_RETRY,
+                task_queue=provider_queue,
+            ),
+        )
+        asked.provider_action, asked.provider_detail = retired.action, retired.detail
+        detail = (
+            f"asked by {asked.by}: {asked.reason}; agent: {asked.agent}; "
+            f"provider {input.provider}: {retired.action} ({retired.detail})"
+        )
+        await self._mark(
+            DecommissionActivities.record_retired,
+            RetireInput(machine_id=input.machine_id, detail=detail[:2000]),
+            f"mark {input.provider_id} retired in BMDB",
+        )
+        self._set_stage(MachineStage.DECOMMISSIONED)
+        workflow.logger.info("decommissioned: %s", detail, extra=self._log_fields)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return Decommissioned(
+            machine_id=input.machine_id,
+            provider=input.provider,
+            provider_id=input.provider_id,
+            decommissioned_at=status.stage_since,
+            reason=asked.reason,
+            by=asked.by,
+            agent=asked.agent,
+            provider_action=retired.action,
+            provider_detail=retired.detail,
+        )
+
     def _within_budget_window(self, policy: LifecyclePolicy) -> list[RecoveryRecord]:
         """The recent recoveries the budget still counts; all of them when there is no window."""
         recent = self._status.recent_recoveries
@@ -438,7 +580,8 @@ class MachineWorkflow:
         self._set_stage(MachineStage.QUARANTINED)
         workflow.logger.warning("quarantined: %s", why, extra=self._log_fields)
         await self._record_quarantine(True, why)
-        await workflow.wait_condition(lambda: self._release is not None)
+        await workflow.wait_condition(lambda: self._release is not None or self._decommission_pending())
+        self._stop_if_decommissioned()
         assert self._release is not None
         by, released_why = self._release
         await self._record_quarantine(False, f"released by {by}: {released_why}")
@@ -533,6 +676,7 @@ class MachineWorkflow:
         """
         status = self._status
         while True:
+            self._stop_if_decommissioned()
             if self._maintenance_asked is not None:
                 await self._in_maintenance()
             status.attempts += 1
@@ -593,8 +737,8 @@ class MachineWorkflow:
         self._retry_now = False
 
     def _wake_from_back_off(self) -> bool:
-        # An operator's retry_now, or maintenance to begin before the next attempt.
-        return self._retry_now or self._maintenance_asked is not None
+        # An operator's retry_now, or maintenance or a decommission to begin before the next attempt.
+        return self._retry_now or self._maintenance_asked is not None or self._decommission_pending()
 
     async def _flag_stuck(self, stuck_after: float) -> None:
         status = self._status
@@ -665,6 +809,14 @@ class MachineWorkflow:
             lines.append(f"**maintenance** since {m.since}, asked by {m.by}: {m.reason} (left {m.left})")
         if status.stuck:
             lines.append(f"**stuck** since {status.stuck.since}: {status.stuck.reason}")
+        if status.decommission or self._decommission_asked:
+            d = status.decommission or self._decommission_asked
+            assert d is not None
+            lines.append(f"**decommission** asked by {d.by} at {d.since}: {d.reason}")
+            if d.agent:
+                lines.append(f"agent: {d.agent}")
+            if d.provider_action:
+                lines.append(f"provider: {d.provider_action} ({d.provider_detail})")
         if status.quarantine:
             lines.append(f"**quarantined** since {status.quarantine.since}: {status.quarantine.reason}")
             lines.append("release: `shepherd release` or the `release` update with a reason")

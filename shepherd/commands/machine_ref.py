@@ -94,6 +94,10 @@ async def running_machine_workflow(
     description = await describe_workflow(client, workflow_id)
     if description is None:
         raise MachineNotFound(f"{workflow_id} has never run; the next fleet pass starts it, then {then}")
+    if description.status == WorkflowExecutionStatus.COMPLETED:
+        # Only a decommission completes a machine's workflow; nothing starts it again.
+        when = f" at {description.close_time.isoformat(timespec='seconds')}" if description.close_time else ""
+        raise MachineNotFound(f"{workflow_id} was decommissioned{when}: it is retired for good")
     if description.status != WorkflowExecutionStatus.RUNNING:
         state = description.status.name if description.status else "not running"
         raise MachineNotFound(

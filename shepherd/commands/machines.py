@@ -49,7 +49,9 @@ async def fleet_view(client: Client, bmdb: BMDB) -> list[MachineView]:
     return [
         MachineView(
             record,
-            stages.get(machine_workflow_id(record.provider, record.provider_id), NO_WORKFLOW),
+            MachineStage.DECOMMISSIONED.value
+            if record.retired_at
+            else stages.get(machine_workflow_id(record.provider, record.provider_id), NO_WORKFLOW),
             recoveries.get(record.machine_id, 0),
         )
         for record in await bmdb.list_machines()
@@ -120,6 +122,8 @@ def record_json(record: MachineRecord, recoveries: int) -> dict[str, Any]:
         "last_heartbeat_at": when(record.agent_heartbeat_at),
         "missing_at_provider_since": when(record.missing_since),
         "stuck_since": when(record.stuck_since),
+        "decommissioned_at": when(record.retired_at),
+        "decommission_reason": record.retired_reason,
         "recoveries": recoveries,
     }
 
@@ -130,12 +134,15 @@ def machine_json(view: MachineView) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class MachineFilter:
-    """Which machines ``shepherd machines`` lists: of one stage, of one provider; None admits any."""
+    """Which machines ``shepherd machines`` lists: of one stage, of one provider; None admits any but the
+    decommissioned, which are history."""
 
     stage: str | None = None  # a MachineStage, or NO_WORKFLOW
     provider: str | None = None
 
     def admits(self, view: MachineView) -> bool:
+        if self.stage is None and view.stage == MachineStage.DECOMMISSIONED:
+            return False
         return (self.stage is None or view.stage == self.stage) and (
             self.provider is None or view.record.provider == self.provider
         )

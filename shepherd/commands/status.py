@@ -52,6 +52,9 @@ async def machine_detail(client: Client, bmdb: BMDB, name: str) -> MachineDetail
     if description.workflow_type != MACHINE_WORKFLOW_TYPE:
         missing = f"{workflow_id} is a {description.workflow_type} workflow, not a machine's"
         return MachineDetail(record, recoveries, workflow_id, state, None, missing)
+    if state == "COMPLETED":
+        missing = "the machine was decommissioned, which completed its workflow"
+        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
     if state != "RUNNING":
         missing = "the workflow is not running; the next fleet pass starts it again"
         return MachineDetail(record, recoveries, workflow_id, state, None, missing)
@@ -103,6 +106,8 @@ def format_detail(detail: MachineDetail, now: datetime) -> list[str]:
         ("BMDB status", record.status),
         ("agent started", _at(record.agent_started_at, now)),
     ]
+    if record.retired_at:
+        rows.append(("decommissioned", f"{_at(record.retired_at, now)}: {record.retired_reason}"))
     if record.missing_since:
         rows.append(("missing", f"not listed by its provider since {_at(record.missing_since, now)}; left alone"))
     if status is not None and status.agent is not None:
@@ -117,7 +122,28 @@ def format_detail(detail: MachineDetail, now: datetime) -> list[str]:
             rows.append(("recovery requested", status.recovery_requested))
         if status.recovery_requests_coalesced:
             rows.append(("requests coalesced", str(status.recovery_requests_coalesced)))
+        rows += _operator_rows(status, now)
     return [_LABEL.format(label, _fit(value)) for label, value in rows]
+
+
+def _operator_rows(status: MachineStatus, now: datetime) -> list[tuple[str, str]]:
+    """What holds the machine apart from automation, and who put it there."""
+    rows: list[tuple[str, str]] = []
+    if status.maintenance:
+        m = status.maintenance
+        rows.append(("maintenance", f"since {_at_text(m.since, now)}, by {m.by}: {m.reason}"))
+    if status.quarantine:
+        rows.append(("quarantined", f"since {_at_text(status.quarantine.since, now)}: {status.quarantine.reason}"))
+    if status.stuck:
+        rows.append(("stuck", f"since {_at_text(status.stuck.since, now)}: {status.stuck.reason}"))
+    if status.decommission:
+        d = status.decommission
+        rows.append(("decommission", f"asked {_at_text(d.since, now)} by {d.by}: {d.reason}"))
+        if d.agent:
+            rows.append(("agent stop", d.agent))
+        if d.provider_action:
+            rows.append(("provider", f"{d.provider_action}: {d.provider_detail}"))
+    return rows
 
 
 def detail_json(detail: MachineDetail) -> dict[str, Any]:
