@@ -83,8 +83,12 @@ class BmcSystemUnknown(ProviderError):
     retryable = False
 
 
-class PowerNotConfirmed(ProviderError):
-    """The BMC took the reset, but the machine did not go off (and come back on, for a reboot) in time."""
+class RebootNotConfirmed(ProviderError):
+    """The BMC took the reset, but the machine did not go off and come back on in time."""
+
+
+class PowerOffNotConfirmed(ProviderError):
+    """The BMC took the shutdown, but the machine did not show Off in time."""
 
 
 # asyncio locks belong to one event loop once contended, so each loop gets its own set.
@@ -139,17 +143,21 @@ class RedfishPowerControl:
             if system.power_state == PowerState.OFF:
                 return PowerReport(system.path, PowerState.OFF.value, "was off already")
             allowed = await self._call(system.get_allowed_reset_system_values)
-            sent, off_after = await self._shut_down(system, allowed, _OFF)
+            sent, off_after = await self._shut_down(system, allowed, _OFF, PowerOffNotConfirmed)
             return PowerReport(system.path, PowerState.OFF.value, f"{'; '.join(sent)}; off after {off_after:.0f}s")
 
     async def _power_cycle(self, system: Any, allowed: Collection[ResetType]) -> PowerReport:
         started = time.monotonic()
-        sent, off_after = await self._shut_down(system, allowed, _DOWN)
+        sent, off_after = await self._shut_down(system, allowed, _DOWN, RebootNotConfirmed)
         report = await self._power_on(system, allowed, started, before=f"went off after {', then '.join(sent)}")
         return replace(report, detail=f"{'; '.join(sent)}; off after {off_after:.0f}s; {report.detail}")
 
     async def _shut_down(
-        self, system: Any, allowed: Collection[ResetType], down: frozenset[PowerState]
+        self,
+        system: Any,
+        allowed: Collection[ResetType],
+        down: frozenset[PowerState],
+        unconfirmed: type[ProviderError],
     ) -> tuple[list[str], float]:
         """GracefulShutdown if allowed, ForceOff if that is not enough, until the power state is one of down:
         (the resets sent, seconds until it was)."""
@@ -167,7 +175,7 @@ class RedfishPowerControl:
             await self._reset(system, forced)
             went_off = await self._wait_for(system, down, self._timeouts.power_back)
         if not went_off:
-            raise PowerNotConfirmed(
+            raise unconfirmed(
                 self._provider,
                 f"{self._endpoint.machine} did not power off after {', then '.join(sent)} "
                 f"(waited {self._timeouts.graceful:g}s, {self._timeouts.power_back:g}s once forced; {self._bmc})",
@@ -181,7 +189,7 @@ class RedfishPowerControl:
         started = time.monotonic() if started is None else started
         await self._reset(system, reset)
         if not await self._wait_for(system, _UP, self._timeouts.power_back):
-            raise PowerNotConfirmed(
+            raise RebootNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} {before} and did not come back on within {self._timeouts.power_back:g}s "
                 f"of {reset.value} ({self._bmc})",
@@ -202,14 +210,14 @@ class RedfishPowerControl:
             await self._reset(system, ResetType.FORCE_RESTART)
             went_off = await self._wait_for(system, _DOWN, self._timeouts.graceful)
         if not went_off:
-            raise PowerNotConfirmed(
+            raise RebootNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} did not power off within {self._timeouts.graceful:g}s "
                 f"of {', then '.join(sent)} ({self._bmc})",
             )
         off_after = time.monotonic() - started
         if not await self._wait_for(system, _UP, self._timeouts.power_back):
-            raise PowerNotConfirmed(
+            raise RebootNotConfirmed(
                 self._provider,
                 f"{self._endpoint.machine} went off after {', then '.join(sent)} but did not come back on "
                 f"within {self._timeouts.power_back:g}s ({self._bmc})",

@@ -119,6 +119,7 @@ BMC_SYSTEMS = [
     ("restart-only", "On"),
     ("concurrent-1", "On"),
     ("concurrent-2", "On"),
+    ("retire", "On"),
 ]
 
 

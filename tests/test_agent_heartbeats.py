@@ -147,6 +147,27 @@ async def test_an_agent_never_recorded_stops_when_a_newer_agent_takes_the_machin
     assert agents_running(agent_machine.state_dir) == 1, "only the newer agent runs"
 
 
+async def test_an_agent_whose_key_is_removed_by_a_stop_ends_before_its_next_heartbeat(bmdb, agent_machine):
+    response = await agent_machine.take_over()
+    await bmdb.record_agent_started(agent_machine.machine_id, datetime.now(UTC), response.success.key)
+    await heartbeat_after(bmdb, agent_machine.machine_id, None)
+    stopped = await asyncio.to_thread(
+        subprocess.run,
+        [str(agent_machine.executable), "--stop"],
+        capture_output=True,
+        env={STATE_DIR_VARIABLE: str(agent_machine.state_dir), "PATH": "/usr/bin:/bin"},
+        timeout=30,
+        check=True,
+    )
+    assert stopped.stdout.decode().startswith("stopped: removed the agent key")
+    for _ in range(300):
+        if not agent_running(agent_machine.state_dir):
+            break
+        await asyncio.sleep(0.1)
+    assert not agent_running(agent_machine.state_dir)
+    assert "the machine is being decommissioned" in (agent_machine.state_dir / LOG_FILE).read_text()
+
+
 def test_retry_delays_grow_to_the_cap_with_jitter_that_sets_agents_apart():
     cap = 300.0
     first, second = random.Random(1), random.Random(2)

@@ -158,6 +158,30 @@ async def test_a_machine_in_maintenance_is_not_watched_and_its_silent_agent_can_
     assert kinds[:3] == ["agent_forgotten", "maintenance_off", "maintenance_on"]
 
 
+async def test_a_retired_machine_is_marked_once_keeps_its_rows_and_is_never_watched(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"k" * 32)
+    assert await bmdb.set_maintenance(machine_id, True, "by alice: DIMM")
+    assert await bmdb.forget_silent_agent(machine_id, "asked by bob: end of lease", kind="decommissioning")
+    assert await bmdb.retire(machine_id, "asked by bob: end of lease; provider sim: released")
+    assert not await bmdb.retire(machine_id, "twice")
+
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None and record.retired_at is not None
+    assert record.retired_reason == "asked by bob: end of lease; provider sim: released"
+    assert record.agent_started_at is None
+    [provided] = await bmdb.list_provided("sim")
+    assert provided.retired and provided.machine_id == machine_id
+    later = datetime.now(UTC) + timedelta(hours=1)
+    assert await bmdb.silent_machines("sim", as_of=later, first_heartbeat_within=60, heartbeat_within=60) == []
+    assert (await bmdb.watched_machines("sim")).count == 0
+    # Its heartbeats are refused: no agent key is on record.
+    assert not await bmdb.record_heartbeat(machine_id, b"k" * 32, datetime.now(UTC))
+    kinds = [e.kind for e in await bmdb.list_events(machine_id)]
+    assert kinds[:3] == ["decommissioned", "decommissioning", "maintenance_on"]
+    assert (await bmdb.admit_machine("sim", "node-0001")) == (machine_id, False), "the id is never taken again"
+
+
 async def test_agent_started_is_an_upsert(bmdb):
     machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
     await bmdb.record_agent_started(machine_id, datetime(2026, 1, 1, tzinfo=UTC), b"a" * 32)

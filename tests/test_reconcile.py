@@ -23,8 +23,8 @@ def in_provider(provider_id: str, availability: Availability = UNUSED) -> Provid
     return ProviderMachine(provider_id=provider_id, availability=availability)
 
 
-def in_bmdb(provider_id: str, status: str = PROVIDED_STATUS_PROVIDED) -> ProvidedMachine:
-    return ProvidedMachine(uuid.uuid4(), "sim", provider_id, status)
+def in_bmdb(provider_id: str, status: str = PROVIDED_STATUS_PROVIDED, *, retired: bool = False) -> ProvidedMachine:
+    return ProvidedMachine(uuid.uuid4(), "sim", provider_id, status, retired=retired)
 
 
 def node(n: int) -> str:
@@ -147,3 +147,24 @@ def test_a_machine_the_provider_stops_listing_is_newly_missing_once_and_back_whe
     # The pass is refused while BMDB has machines the provider does not know, and says what to do.
     assert plan.refused and [d.provider_id for d in plan.disagreements] == [node(1), node(3)]
     assert "list it there again" in plan.disagreements[0].problem
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [
+        pytest.param(UNUSED, id="released: free capacity again"),
+        pytest.param(POSSIBLY, id="powered off: still listed"),
+        pytest.param(USED, id="listed as ours"),
+        pytest.param(None, id="gone from the provider"),
+    ],
+)
+def test_a_decommissioned_machine_is_never_adopted_again_whatever_its_provider_says(listed):
+    provider = [in_provider(node(2)), in_provider(node(3), USED)]
+    if listed:
+        provider.append(in_provider(node(1), listed))
+    bmdb = [in_bmdb(node(1), retired=True), in_bmdb(node(3))]
+    plan = plan_reconcile(provider, bmdb, max_machines=2, chunk_size=20, is_valid_id=valid)
+    assert not plan.refused and plan.newly_missing == []
+    # It no longer counts against the limit either: node-0002 may take its place.
+    assert [m.provider_id for m in plan.to_create] == [node(2)]
+    assert plan.managed_count == 1

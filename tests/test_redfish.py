@@ -21,7 +21,7 @@ from providers.redfish import (
     BmcCredentialsRejected,
     BmcSystemUnknown,
     BmcUnavailable,
-    PowerNotConfirmed,
+    RebootNotConfirmed,
     RedfishEndpoint,
     RedfishPowerControl,
     RedfishTimeouts,
@@ -106,6 +106,16 @@ async def test_ignored_graceful_shutdown_is_forced_off(bmc: Bmc, monkeypatch: py
     assert power_state(bmc, "escalate") == "On"
 
 
+async def test_power_off_for_good_is_confirmed_and_a_second_one_finds_it_off(bmc: Bmc) -> None:
+    report = await control(bmc, bmc.systems["retire"]).power_off()
+    assert report.power_state == "Off"
+    assert report.detail.startswith("GracefulShutdown") and "off after" in report.detail
+    await asyncio.sleep(2)
+    assert power_state(bmc, "retire") == "Off", "nothing powers it back on"
+    again = await control(bmc, bmc.systems["retire"]).power_off()
+    assert (again.power_state, again.detail) == ("Off", "was off already")
+
+
 async def test_a_bmc_without_off_and_on_is_restarted_and_confirmed(bmc: Bmc, monkeypatch: pytest.MonkeyPatch) -> None:
     # Some BMCs allow only the restart types; then GracefulRestart, forced when ignored, and Off then On is read back.
     monkeypatch.setattr(
@@ -167,7 +177,7 @@ async def test_machine_that_stays_off_fails_retryable(bmc: Bmc) -> None:
     for _ in range(3):
         try:
             await control(bmc, bmc.systems["stays-off"], timeouts=timeouts).reboot()
-        except PowerNotConfirmed as error:
+        except RebootNotConfirmed as error:
             assert error.retryable
             assert "did not come back on within 0.3s" in str(error)
             assert MACHINE in str(error)

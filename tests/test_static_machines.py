@@ -250,6 +250,8 @@ async def test_provider_activities_run_on_the_instances_rate_limited_queue(tmp_p
         "reboot_through_provider",
         "wait_for_boot",
         "reboot_machine",
+        "stop_agent",
+        "retire_through_provider",
     }
     for name, config in workers.items():
         names = {getattr(activity, "__name__", "") for activity in config.get("activities", [])}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from providers import Availability, MachineNotFound, ProviderMachine
+from providers import Availability, MachineNotFound, ProviderMachine, RetireAction
 from providers.redfish import PowerReport
 from providers.static import InventoryError, NoBMC, StaticProvider, load_inventory
 
@@ -258,6 +258,10 @@ class FakePowerControl:
         self.calls.append(("probe", self.provider, self.endpoint))
         return PowerReport("/redfish/v1/Systems/1", "On")
 
+    async def power_off(self):
+        self.calls.append(("power_off", self.provider, self.endpoint))
+        return PowerReport("/redfish/v1/Systems/1", "Off", "fake: GracefulShutdown; off after 3s")
+
 
 def bmc_inventory(tmp_path: Path, password: str) -> Path:
     text = f"""
@@ -302,6 +306,26 @@ async def test_reboot_without_bmc_is_for_a_person(tmp_path: Path) -> None:
     assert "'rack1-node02' has no BMC in the inventory" in one_line(caught.value)
     assert "by hand" in str(caught.value)
     assert calls == []
+
+
+async def test_retiring_powers_off_through_the_bmc_and_says_what_is_left_to_do_without_one(tmp_path: Path) -> None:
+    secret = write(tmp_path / "password", SECRET + "\n")
+    secret.chmod(0o600)
+    calls: list = []
+    provider = StaticProvider(
+        "rack", bmc_inventory(tmp_path, 'password_file = "password"'), power=FakePowerControl.factory(calls)
+    )
+    retired = await provider.retire_machine("rack1-node01")
+    assert retired.action is RetireAction.POWERED_OFF
+    assert "fake: GracefulShutdown; off after 3s" in retired.detail and "out of the inventory" in retired.detail
+    assert [call for call, _, _ in calls] == ["power_off"]
+
+    plain = StaticProvider("rack", good_inventory(tmp_path), power=FakePowerControl.factory(calls))
+    untouched = await plain.retire_machine("rack1-node02")
+    assert untouched.action is RetireAction.UNTOUCHED and "power it off by hand" in untouched.detail
+    gone = await plain.retire_machine("rack9-node99")
+    assert gone.action is RetireAction.UNTOUCHED and "not in the inventory" in gone.detail
+    assert len(calls) == 1
 
 
 def test_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from lifecycle.takeover import (
     TakeoverSettings,
     TakeoverTarget,
     ssh_answers,
+    stop_agent,
     take_over,
     wait_until_booted,
 )
@@ -125,6 +126,35 @@ async def test_a_second_takeover_replaces_the_agent_and_gets_a_new_key(sshd, ref
     again = await take_over(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
     assert again.agent_public_key != first.agent_public_key
     assert again.host_key == first.host_key
+
+
+async def test_the_agent_is_stopped_over_ssh_and_a_second_stop_finds_none(sshd, reference_agent, tmp_path):
+    agent_path = tmp_path / "agent"
+    takeover = settings(reference_agent, agent_path)
+    await take_over(target_of(sshd), takeover, sshd.client_key)
+    answer = await stop_agent(target_of(sshd, pinned_host_key=sshd.host_key), takeover, sshd.client_key)
+    assert answer.startswith(f"stopped: removed the agent key {tmp_path / KEY_FILE}")
+    assert not (tmp_path / KEY_FILE).exists()
+    again = await stop_agent(target_of(sshd), takeover, sshd.client_key)
+    assert again.startswith("stopped: no agent key") and again.endswith("no agent runs here")
+
+
+async def test_a_stop_that_is_not_confirmed_or_not_allowed_is_an_error_that_says_so(sshd, reference_agent, tmp_path):
+    agent_path = tmp_path / "agent"
+    # An agent that knows no --stop reads its empty stdin and answers a takeover error.
+    agent_path.write_bytes(agent_printing(b"\x12\x02\x0a\x00"))
+    agent_path.chmod(0o755)
+    with pytest.raises(TakeoverError) as caught:
+        await stop_agent(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
+    assert caught.value.failure is TakeoverFailure.EXEC_FAILED
+    assert "--stop did not confirm the stop (exit status 0" in str(caught.value)
+    with pytest.raises(TakeoverError) as caught:
+        await stop_agent(target_of(sshd), settings(reference_agent, tmp_path / "none"), sshd.client_key)
+    assert "exit status 127" in str(caught.value)
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    with pytest.raises(TakeoverError) as caught:
+        await stop_agent(target_of(sshd, pinned_host_key=other), settings(reference_agent, agent_path), sshd.client_key)
+    assert caught.value.failure is TakeoverFailure.HOST_KEY_CHANGED
 
 
 async def test_ca_certificate_reaches_the_agent(sshd, reference_agent, tmp_path):
