@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import activity
 
@@ -16,6 +16,7 @@ from lifecycle.contracts import (
     BootWaitInput,
     BootWaitResult,
     MaintenanceInput,
+    OperatorActionInput,
     QuarantineInput,
     RebootInput,
     RebootResult,
@@ -124,6 +125,12 @@ class RecoveryActivities:
             machine_id, f"silent after maintenance ({input.why}): taken over again"
         )
         return False
+
+    @activity.defn
+    async def record_operator_action(self, input: OperatorActionInput) -> None:
+        """Log what an operator asked of the machine, at the time it was asked; a repeat adds nothing."""
+        at = datetime.fromisoformat(input.at) if input.at else None
+        await self.deps.bmdb.add_event(uuid.UUID(input.machine_id), input.kind, input.detail, at=at)
 
     @activity.defn
     async def reboot_machine(self, input: RebootInput) -> None:

@@ -142,6 +142,28 @@ class LifecyclePolicy:
 
 
 @dataclass(frozen=True)
+class OperatorAction:
+    """One operator's request to a machine's workflow, as its status shows it: when, what, who and why."""
+
+    at: str
+    # The signal or update: force_recover, retry_now, release, set_maintenance, decommission.
+    action: str
+    by: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class OperatorActionInput:
+    """Input of record_operator_action: an event in the machine's log of what an operator asked for."""
+
+    machine_id: str
+    kind: str
+    detail: str
+    # When it was asked (the workflow's clock): the event's time, and what makes a retried record a repeat.
+    at: str = ""
+
+
+@dataclass(frozen=True)
 class RecoveryRecord:
     """One recovery of a machine, in its workflow's memory for the recovery budget: when, and why."""
 
@@ -296,6 +318,8 @@ class MachineInput:
     last_recovery_reason: str | None = None
     # The recent recoveries the budget counts, oldest first.
     recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
+    # What operators asked of the machine lately, oldest first.
+    recent_actions: list[OperatorAction] = field(default_factory=list)
 
 
 @dataclass
@@ -326,6 +350,8 @@ class MachineStatus:
     stuck: Stuck | None = None
     maintenance: Maintenance | None = None
     decommission: Decommission | None = None
+    # The last operator actions, oldest first, across the workflow's runs.
+    actions: list[OperatorAction] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

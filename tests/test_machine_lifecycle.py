@@ -38,6 +38,7 @@ from lifecycle.contracts import (
     MachineStage,
     MachineStatus,
     MaintenanceInput,
+    OperatorActionInput,
     ProvisionInput,
     ProvisionResult,
     QuarantineInput,
@@ -67,6 +68,7 @@ class FakeMachineActivities:
         self.retire_failures = retire_failures
         self.retirements: list[DecommissionInput] = []
         self.retired_records: list[str] = []
+        self.actions_logged: list[tuple[str, str]] = []
         self.reboot_failures = reboot_failures
         self.record_failures = record_failures
         self.agent_attempt_times: list[float] = []
@@ -103,7 +105,12 @@ class FakeMachineActivities:
             self.check_agent_after_maintenance,
             self.forget_decommissioned_agent,
             self.record_retired,
+            self.record_operator_action,
         ]
+
+    @activity.defn(name="record_operator_action")
+    async def record_operator_action(self, input: OperatorActionInput) -> None:
+        self.actions_logged.append((input.kind, input.detail))
 
     @activity.defn(name="forget_decommissioned_agent")
     async def forget_decommissioned_agent(self, input: DecommissionInput) -> None:
@@ -520,7 +527,7 @@ async def test_a_forced_recovery_releases_a_quarantined_machine(time_skipping_en
         await env.sleep(timedelta(seconds=120))
         status = await handle.query(MachineWorkflow.status)
         assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 2)
-        assert fakes.quarantines[-1] == (False, "released by force_recover: forced: reseated the NIC")
+        assert fakes.quarantines[-1] == (False, "released by unknown: forced: reseated the NIC")
         await handle.terminate()
 
 
@@ -735,4 +742,35 @@ async def test_decommission_requests_without_a_reason_are_refused(time_skipping_
             assert "say why the machine is decommissioned" in str(refused.value.cause), request
         assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
         assert "retire_through_provider" not in fakes.calls
+        await handle.terminate()
+
+
+async def test_operator_actions_say_who_asked_in_the_status_and_the_event_log(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(agent_failures=1)
+    async with machine_worker(env, fakes, "actions") as queue:
+        handle = await start_machine(env, queue, SEED_POLICY)
+        await env.sleep(timedelta(seconds=1))
+        await handle.signal(MachineWorkflow.retry_now, {"reason": "cable fixed", "by": "alice"})
+        await env.sleep(timedelta(seconds=2))
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
+        await handle.signal("force_recover", {"reason": "disk errors", "by": "bob"})
+        await env.sleep(timedelta(seconds=120))
+        await handle.signal("force_recover", "smells of smoke")
+        await env.sleep(timedelta(seconds=120))
+        await maintenance(handle, on=True, reason="fans", by="carol")
+        status = await handle.query(MachineWorkflow.status)
+        # Kept across the recoveries' continue-as-new.
+        assert [(a.action, a.by, a.reason) for a in status.actions] == [
+            ("retry_now", "alice", "cable fixed"),
+            ("force_recover", "bob", "disk errors"),
+            ("force_recover", "unknown", "smells of smoke"),
+            ("set_maintenance", "carol", "on: fans"),
+        ]
+        assert [cause for _, cause in fakes.reboots] == ["forced: disk errors (by bob)", "forced: smells of smoke"]
+        assert fakes.actions_logged == [
+            ("retry_asked", "by alice: cable fixed"),
+            ("recovery_forced", "by bob: disk errors"),
+            ("recovery_forced", "by unknown: smells of smoke"),
+        ]
         await handle.terminate()

@@ -17,6 +17,7 @@ from bmdb.store import BMDB, MachineRecord
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
 from lifecycle.takeover import host_key_fingerprint
 from processes.worker import ensure_fleet_schedules
+from shepherd.commands.base import operator
 from shepherd.commands.machine_ref import MachineNotFound, resolve_machine
 from shepherd.commands.machines import MachineView, format_machines, machine_json
 from tests.fleet_stack import fleet_stack
@@ -196,7 +197,9 @@ async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
         assert "shepherd reset-host-key" in status.last_error
         env = stack.environment(bmdb_url)
 
-        code, out, err = await shepherd_cli(env, "reset-host-key", "node-0001", "--reason", "reinstalled by DC ops")
+        code, out, err = await shepherd_cli(
+            env, "reset-host-key", "node-0001", "--reason", "reinstalled by DC ops", "--by", "dc-ops"
+        )
         assert code == 0, err
         old_fingerprint = host_key_fingerprint(old_key)
         assert out == (
@@ -207,8 +210,18 @@ async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
         assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
         events = await bmdb.list_events(record.machine_id)
         assert any(
-            e.kind == "host_key_reset" and e.detail == f"reinstalled by DC ops; was {old_fingerprint}" for e in events
+            e.kind == "host_key_reset" and e.detail == f"by dc-ops: reinstalled by DC ops; was {old_fingerprint}"
+            for e in events
         )
+        # Who did what: the forced recovery (from a signal that named no one), the reboot, the reset, the retry.
+        code, out, err = await shepherd_cli(env, "events", "node-0001", "--actions", "--json")
+        assert code == 0, err
+        assert [(e["kind"], e["detail"]) for e in json.loads(out)["events"]] == [
+            ("retry_asked", "by dc-ops: host key pin reset: reinstalled by DC ops"),
+            ("host_key_reset", f"by dc-ops: reinstalled by DC ops; was {old_fingerprint}"),
+            ("rebooted", "rebooted: forced: reinstalled"),
+            ("recovery_forced", "by unknown: reinstalled"),
+        ]
 
         # A pin that changed since it was read is not reset.
         assert not await bmdb.reset_host_key(record.machine_id, old_key, "stale")
@@ -252,22 +265,43 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         assert passes[1].split()[2:] == ["completed", "3", "0", "1", "0", "0"]
         assert max(len(line) for line in lines) <= 80
 
-        code, out, err = await shepherd_cli(env, "fleet", "--pause", "--note", "rack maintenance", "--passes", "1")
+        code, out, err = await shepherd_cli(
+            env, "fleet", "--pause", "--note", "rack maintenance", "--by", "alice", "--passes", "1"
+        )
         assert code == 0, err
         assert out.splitlines()[:2] == [
             "paused the fleet schedule shepherd-fleet-sim: no passes until `shepherd fleet --resume`",
-            "schedule shepherd-fleet-sim: PAUSED (rack maintenance), every 60s",
+            "schedule shepherd-fleet-sim: PAUSED (rack maintenance (by alice)), every 60s",
         ]
         code, out, err = await shepherd_cli(env, "fleet", "--json", "--passes", "1")
         [facts] = json.loads(out)["providers"]
         assert facts["provider"] == "sim"
-        assert facts["schedule"]["paused"] is True and facts["schedule"]["note"] == "rack maintenance"
+        assert facts["schedule"]["paused"] is True and facts["schedule"]["note"] == "rack maintenance (by alice)"
         assert facts["passes"][0]["outcome"] == "refused" and facts["passes"][0]["result"]["plan"]["bmdb_count"] == 1
 
         code, out, err = await shepherd_cli(env, "fleet", "--resume", "--passes", "1")
         assert code == 0 and out.splitlines()[1].startswith("schedule shepherd-fleet-sim: running")
-        code, out, err = await shepherd_cli(env, "fleet", "--trigger", "--passes", "3")
+        code, out, err = await shepherd_cli(env, "fleet", "--trigger", "--by", "bob", "--passes", "3")
         assert code == 0 and out.startswith("started a fleet pass of sim now\n")
+        with pytest.raises(SystemExit) as usage:
+            await shepherd_cli(env, "fleet", "--by", "bob")
+        assert usage.value.code == 2
+
+        # Every machine's and the fleet's actions, newest first; the fleet's have no machine.
+        code, out, err = await shepherd_cli(env, "events", "--actions", "--json")
+        assert code == 0, err
+        actions = [(e["provider_id"], e["kind"], e["detail"]) for e in json.loads(out)["events"]]
+        assert actions[:3] == [
+            (None, "fleet_triggered", "provider sim: by bob"),
+            (None, "fleet_resumed", f"provider sim: by {operator()}"),
+            (None, "fleet_paused", "provider sim: by alice: rack maintenance"),
+        ]
+        code, out, err = await shepherd_cli(env, "events", "--actions")
+        assert out.splitlines()[2].split()[2:4] == ["(fleet)", "fleet_triggered"]
+        code, out, err = await shepherd_cli(env, "events")
+        assert code == 0 and out.splitlines()[0] == "the fleet's events"
+        assert "reconcile_refused" in [line.split()[2] for line in out.splitlines()[2:]]
+        assert max(len(line) for line in out.splitlines()) <= 80
 
 
 @pytest.mark.parametrize(

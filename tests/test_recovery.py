@@ -126,11 +126,11 @@ async def test_shepherd_recover_finds_the_machine_by_any_name(tmp_path, temporal
             return await wait_for(check, limit=30, what=f"recovery {count} of {provider_id}")
 
         for count, name in enumerate((str(record.machine_id), "node-0001", "machine-sim-node-0001"), start=1):
-            code, out, err = await shepherd("recover", name, "--reason", f"  by {name}  ")
+            code, out, err = await shepherd("recover", name, "--reason", f"  by {name}  ", "--by", "ops")
             assert code == 0, err
             assert out.strip() == f"machine-sim-node-0001: recovery requested (by {name}); it was WATCHING"
             status = await recovered("node-0001", count)
-            assert status.last_recovery_reason == f"forced: by {name}"
+            assert status.last_recovery_reason == f"forced: by {name} (by ops)"
 
         # `shepherd machines` counts the recoveries.
         code, out, err = await shepherd("machines")

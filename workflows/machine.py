@@ -56,6 +56,8 @@ with workflow.unsafe.imports_passed_through():
         MachineStatus,
         Maintenance,
         MaintenanceInput,
+        OperatorAction,
+        OperatorActionInput,
         ProvisionInput,
         ProvisionResult,
         Quarantine,
@@ -86,8 +88,17 @@ _REBOOT_ONCE = "reboot-once-then-wait-for-boot"
 _RECOVERY_BUDGET = "recovery-budget"
 # Back-offs recorded before a stage that outlasts its deadline was flagged stuck were one timer each.
 _STUCK_FLAG = "stuck-flag"
+# Signals recorded before operator actions were logged in BMDB recorded nothing.
+_ACTIONS_LOGGED = "operator-actions-logged"
+# How many operator actions the status keeps.
+_ACTIONS_KEPT = 10
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 _BOOT_WAIT_BOUND = timedelta(hours=4)
+
+
+def requested_by(request: Any) -> str:
+    """Who a signal's argument says asked: its "by", else "unknown"."""
+    return operator_of(request.get("by") if isinstance(request, dict) else None)
 
 
 def recovery_reason(request: Any) -> str:
@@ -159,6 +170,7 @@ class MachineWorkflow:
             recovery_count=input.recovery_count,
             last_recovery_reason=input.last_recovery_reason,
             recent_recoveries=list(input.recent_recoveries),
+            actions=list(input.recent_actions),
         )
         self._retry_now = False
         # (who, why) of the operator who released the quarantined machine.
@@ -225,6 +237,7 @@ class MachineWorkflow:
             recovery_count=status.recovery_count,
             last_recovery_reason=status.last_recovery_reason,
             recent_recoveries=status.recent_recoveries,
+            recent_actions=status.actions,
         )
         if take_over_again:
             next_run.resume_stage = MachineStage.AGENT_STARTING
@@ -257,8 +270,8 @@ class MachineWorkflow:
         workflow.continue_as_new(next_run)
 
     @workflow.signal(dynamic=True)
-    def force_recover(self, name: str, arguments: Sequence[RawValue]) -> None:
-        """``force_recover``: an operator asks for a reboot, ``{"reason": "disk errors"}``.
+    async def force_recover(self, name: str, arguments: Sequence[RawValue]) -> None:
+        """``force_recover``: an operator asks for a reboot, ``{"reason": "disk errors", "by": "alice"}``.
 
         A dynamic handler gets the argument undecoded, so a malformed one still
         means "recover", where a typed handler would make the SDK drop the signal.
@@ -272,7 +285,9 @@ class MachineWorkflow:
                 request = workflow.payload_converter().from_payload(arguments[0].payload)
             except Exception:
                 request = arguments[0].payload.data.decode(errors="replace")
-        self._request_recovery(f"forced: {recovery_reason(request)}")
+        reason, by = recovery_reason(request), requested_by(request)
+        self._request_recovery(f"forced: {reason}" + ("" if by == "unknown" else f" (by {by})"), by)
+        await self._log_action(FORCE_RECOVER_SIGNAL, by, reason, "recovery_forced")
 
     @workflow.signal(name=HEARTBEAT_LOST_SIGNAL)
     def heartbeat_lost(self, lost: Any = None) -> None:
@@ -293,13 +308,20 @@ class MachineWorkflow:
         self._request_recovery(f"heartbeat lost: {cause if isinstance(cause, str) and cause else 'no detail'}")
 
     @workflow.signal(name=RETRY_NOW_SIGNAL)
-    def retry_now(self, reason: Any = None) -> None:
-        """An operator fixed what made the step fail (reset a host key pin, say): end the back-off now."""
+    async def retry_now(self, request: Any = None) -> None:
+        """An operator fixed what made the step fail (reset a host key pin, say): end the back-off now.
+
+        ``{"reason": ..., "by": ...}``, or the reason alone.
+        """
         if self._status.attempts == 0:
             workflow.logger.info("retry_now ignored: no step is failing", extra=self._log_fields)
             return
         self._retry_now = True
-        workflow.logger.info("retrying now: %s", reason if reason else "asked by an operator", extra=self._log_fields)
+        reason = request.get("reason") if isinstance(request, dict) else request
+        reason = str(reason).strip()[:500] if reason else "asked by an operator"
+        by = requested_by(request)
+        workflow.logger.info("retrying now, asked by %s: %s", by, reason, extra=self._log_fields)
+        await self._log_action(RETRY_NOW_SIGNAL, by, reason, "retry_asked")
 
     @workflow.update(name=RELEASE_UPDATE)
     def release(self, request: Any = None) -> str:
@@ -309,6 +331,7 @@ class MachineWorkflow:
         """
         reason, by = operator_request(request, "the machine may be recovered again")
         self._release = (by, reason)
+        self._note_action(RELEASE_UPDATE, by, reason)
         workflow.logger.info("released by %s: %s", by, reason, extra=self._log_fields)
         return f"released by {by} ({reason}): the held recovery reboots it now, and its budget starts afresh"
 
@@ -325,6 +348,7 @@ class MachineWorkflow:
         ``{"on": false, "recover": false}`` ends it. An update, so the caller hears what happens, or why not."""
         on, reason, by, recover = maintenance_request(request)
         status = self._status
+        self._note_action(SET_MAINTENANCE_UPDATE, by, f"{'on' if on else 'off'}: {reason}")
         if on:
             self._maintenance_asked = Maintenance(since=self._now(), reason=reason, by=by, left=status.stage)
             workflow.logger.info("maintenance asked by %s: %s", by, reason, extra=self._log_fields)
@@ -363,6 +387,7 @@ class MachineWorkflow:
         """
         reason, by = operator_request(request, "the machine is decommissioned")
         self._decommission_asked = Decommission(since=self._now(), reason=reason, by=by)
+        self._note_action(DECOMMISSION_UPDATE, by, reason)
         workflow.logger.info("decommission asked by %s: %s", by, reason, extra=self._log_fields)
         self._show_details()
         stage = self._status.stage
@@ -391,14 +416,27 @@ class MachineWorkflow:
         if self._decommission_pending():
             raise _DecommissionNow()
 
-    def _request_recovery(self, reason: str) -> None:
+    def _note_action(self, action: str, by: str, reason: str) -> None:
+        """Keep an operator's request in the status, which shows the last few across runs."""
+        actions = self._status.actions
+        actions.append(OperatorAction(at=self._now(), action=action, by=by, reason=reason))
+        del actions[:-_ACTIONS_KEPT]
+
+    async def _log_action(self, action: str, by: str, reason: str, kind: str) -> None:
+        """_note_action, and an event of kind in BMDB's log (a signal's caller hears of nothing else)."""
+        self._note_action(action, by, reason)
+        if workflow.patched(_ACTIONS_LOGGED):
+            logged = OperatorActionInput(self._status.machine_id, kind, f"by {by}: {reason}", at=self._now())
+            await self._mark(RecoveryActivities.record_operator_action, logged, f"log {action} by {by} in BMDB")
+
+    def _request_recovery(self, reason: str, by: str = "the watchdog") -> None:
         status = self._status
         if self._decommission_asked is not None:
             workflow.logger.info("being decommissioned; recovery not done: %s", reason, extra=self._log_fields)
             return
         if status.stage is MachineStage.QUARANTINED and reason.startswith("forced:") and self._release is None:
             # An operator who forces a recovery of a quarantined machine means it: that is a release.
-            self._release = ("force_recover", reason)
+            self._release = (by, reason)
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
             return
         if status.recovery_requested is not None or status.stage is MachineStage.RECOVERING:

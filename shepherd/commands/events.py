@@ -1,9 +1,14 @@
-"""``shepherd events MACHINE``: a machine's event log from BMDB, newest first."""
+"""``shepherd events [MACHINE] [--actions]``: BMDB's event log, newest first.
+
+Of one machine, or without MACHINE the fleet's own events (a refused pass, recoveries held). ``--actions``
+keeps what operators asked for, each naming who, and the reboots: of one machine, or of every machine and the
+fleet, which answers "who rebooted node-17 last night".
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import TextIO
+from typing import Any, TextIO
 
 from bmdb.store import BMDB, Event, MachineRecord
 from foundation.settings import Settings
@@ -11,43 +16,80 @@ from lifecycle.contracts import machine_workflow_id
 from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, no_temporal, positive_int, show, with_bmdb
 from shepherd.commands.machine_ref import resolve_machine
 
-_DETAIL_WIDTH = 80 - 19 - 18 - 2
+_CLOCK = "%Y-%m-%d %H:%M:%S"
+_FLEET = "(fleet)"
 
 
-def format_events(record: MachineRecord, events: list[Event]) -> list[str]:
-    """A heading and one line per event, 80 columns; long details are cut, --json has them whole."""
-    lines = [
-        f"{record.provider_id} ({machine_workflow_id(record.provider, record.provider_id)}), "
-        f"BMDB machine {record.machine_id}",
-        f"{'AT (UTC)':<19} {'KIND':<18} DETAIL",
-    ]
-    for event in events:
-        detail = " ".join(event.detail.split())
-        if len(detail) > _DETAIL_WIDTH:
-            detail = detail[: _DETAIL_WIDTH - 3] + "..."
-        lines.append(f"{event.at.strftime('%Y-%m-%d %H:%M:%S'):<19} {event.kind:<18} {detail}")
+def _cut(detail: str, width: int) -> str:
+    detail = " ".join(detail.split())
+    return detail if len(detail) <= width else detail[: width - 3] + "..."
+
+
+def format_events(heading: str, events: list[Event], *, by_machine: bool = False) -> list[str]:
+    """A heading and one line per event, 80 columns; long details are cut, --json has them whole.
+
+    by_machine: a column naming each event's machine, for a listing that spans machines.
+    """
+    if by_machine:
+        lines = [heading, f"{'AT (UTC)':<19} {'MACHINE':<13} {'KIND':<16} DETAIL"]
+        lines += [
+            f"{e.at.strftime(_CLOCK):<19} {(e.provider_id or _FLEET)[:13]:<13} {e.kind:<16} {_cut(e.detail, 28)}"
+            for e in events
+        ]
+    else:
+        lines = [heading, f"{'AT (UTC)':<19} {'KIND':<18} DETAIL"]
+        lines += [f"{e.at.strftime(_CLOCK):<19} {e.kind:<18} {_cut(e.detail, 41)}" for e in events]
     if not events:
         lines.append("(no events)")
     return lines
 
 
-async def print_events(bmdb: BMDB, name: str, limit: int, *, as_json: bool = False, out: TextIO | None = None) -> int:
-    record = await resolve_machine(bmdb, name)
-    events = await bmdb.list_events(record.machine_id, limit=limit)
-    rows = [{"at": e.at.isoformat(), "kind": e.kind, "detail": e.detail} for e in events]
+def _machine_heading(record: MachineRecord) -> str:
+    workflow_id = machine_workflow_id(record.provider, record.provider_id)
+    return f"{record.provider_id} ({workflow_id}), BMDB machine {record.machine_id}"
+
+
+async def print_events(
+    bmdb: BMDB,
+    name: str | None,
+    limit: int,
+    *,
+    actions: bool = False,
+    as_json: bool = False,
+    out: TextIO | None = None,
+) -> int:
+    record = None if name is None else await resolve_machine(bmdb, name)
+    machine_id = None if record is None else record.machine_id
+    events = await (bmdb.list_actions if actions else bmdb.list_events)(machine_id, limit=limit)
+    what = "operator actions and reboots" if actions else "events"
+    heading = _machine_heading(record) if record else f"the fleet's {what}" + (" on every machine" if actions else "")
+    document: dict[str, Any] = {
+        "machine_id": None if record is None else str(record.machine_id),
+        "provider_id": None if record is None else record.provider_id,
+        "events": [
+            {"at": e.at.isoformat(), "kind": e.kind, "detail": e.detail}
+            | ({"provider_id": e.provider_id} if record is None else {})
+            for e in events
+        ],
+    }
     return show(
         out,
         as_json,
-        lambda: {"machine_id": str(record.machine_id), "provider_id": record.provider_id, "events": rows},
-        lambda: format_events(record, events),
+        lambda: document,
+        lambda: format_events(heading, events, by_machine=actions and record is None),
         indent=None,
     )
 
 
 def register(commands: Subcommands) -> None:
-    parser = commands.add_parser("events", help="a machine's event log, newest first")
+    parser = commands.add_parser(
+        "events", help="a machine's event log, or the fleet's, newest first; --actions: who asked for what"
+    )
     add_common(parser)
-    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("machine", metavar="MACHINE", nargs="?", help=f"{MACHINE_HELP}; none: the fleet's")
+    parser.add_argument(
+        "--actions", action="store_true", help="only operator actions (each naming who) and reboots; of every machine"
+    )
     parser.add_argument("--limit", type=positive_int, default=50, help="at most this many events (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="JSON, with details uncut")
     parser.set_defaults(run=run)
@@ -55,5 +97,7 @@ def register(commands: Subcommands) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     return with_bmdb(
-        settings, no_temporal, lambda _, bmdb: print_events(bmdb, args.machine, args.limit, as_json=args.json)
+        settings,
+        no_temporal,
+        lambda _, bmdb: print_events(bmdb, args.machine, args.limit, actions=args.actions, as_json=args.json),
     )

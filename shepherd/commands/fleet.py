@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from bmdb.store import BMDB
+from bmdb.store import BMDB, BMDBUnavailable
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import FLEET_WORKFLOW_TYPE, fleet_schedule_id
@@ -24,6 +25,7 @@ from shepherd.commands.base import (
     UsageError,
     add_by,
     add_common,
+    no_temporal,
     operator,
     positive_int,
     reason_arg,
@@ -38,12 +40,31 @@ class FleetError(Exception):
 
 @dataclass(frozen=True)
 class FleetAction:
-    """What ``shepherd fleet`` was asked to do to the schedule (pause, resume, trigger), with the note."""
+    """What ``shepherd fleet`` was asked to do to the schedule (pause, resume, trigger), with the note and who."""
 
     pause: bool = False
     resume: bool = False
     trigger: bool = False
     note: str = ""
+    by: str = "unknown"
+
+    @property
+    def event_kind(self) -> str | None:
+        """The fleet event that records this action in BMDB; None when it changes nothing."""
+        if self.pause:
+            return "fleet_paused"
+        if self.resume:
+            return "fleet_resumed"
+        return "fleet_triggered" if self.trigger else None
+
+
+async def log_fleet_action(bmdb: BMDB, providers: Sequence[str], action: FleetAction) -> None:
+    """Record a pause, resume or trigger of each provider's schedule as a fleet event naming who asked."""
+    if action.event_kind is None:
+        return
+    for provider in providers:
+        detail = f"provider {provider}: by {action.by}" + (f": {action.note}" if action.note else "")
+        await bmdb.add_event(None, action.event_kind, detail)
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,7 @@ async def apply(client: Client, provider: str, action: FleetAction) -> str | Non
     """Pause, resume or trigger the provider's fleet schedule; what was done, for the operator."""
     schedule_id = fleet_schedule_id(provider)
     handle = client.get_schedule_handle(schedule_id)
-    note = action.note or "by shepherd fleet"
+    note = f"{action.note or 'no note'} (by {action.by})"
     try:
         if action.pause:
             await handle.pause(note=note)
@@ -288,9 +309,12 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError("--note goes with --pause or --resume")
     if args.release_recoveries and args.reason is None:
         raise UsageError("--release-recoveries needs --reason: why the held recoveries may go ahead")
-    if (args.reason is not None or args.by is not None) and not args.release_recoveries:
-        raise UsageError("--reason and --by go with --release-recoveries")
-    action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note)
+    if args.reason is not None and not args.release_recoveries:
+        raise UsageError("--reason goes with --release-recoveries")
+    if args.by is not None and not (args.pause or args.resume or args.trigger or args.release_recoveries):
+        raise UsageError("--by goes with --pause, --resume, --trigger or --release-recoveries")
+    by = args.by or operator()
+    action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note, by=by)
     providers = [instance.name for instance in settings.provider_instances]
     if args.provider is not None:
         providers = [settings.provider_instance(args.provider).name]
@@ -299,7 +323,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         return await print_fleet(client, providers, action, passes=args.passes, as_json=args.json, told=told)
 
     async def release(client: Client, bmdb: BMDB) -> int:
-        return await show(client, await release_recoveries(bmdb, providers, args.by or operator(), args.reason))
+        return await show(client, await release_recoveries(bmdb, providers, by, args.reason))
 
     async def connected() -> Client:
         return await connect_temporal(settings)
@@ -311,6 +335,13 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         # BMDB is opened only to release: pausing must work while BMDB is down.
         return with_bmdb(settings, connected, release, FleetError)
     try:
-        return asyncio.run(show_only())
+        code = asyncio.run(show_only())
     except FleetError as error:
         raise CommandError(str(error)) from None
+    if action.event_kind is not None:
+        try:
+            with_bmdb(settings, no_temporal, lambda _, bmdb: log_fleet_action(bmdb, providers, action))
+        except BMDBUnavailable as error:
+            # Done is done: the schedule's note keeps who asked.
+            print(f"not recorded in BMDB's event log: {error}", file=sys.stderr)
+    return code

@@ -24,9 +24,11 @@ from lifecycle.contracts import (
 from shepherd.commands.base import (
     MACHINE_HELP,
     Subcommands,
+    add_by,
     add_common,
     answer_with_lazy_bmdb,
     check_reason,
+    operator,
     reason_arg,
 )
 from shepherd.commands.machine_ref import running_machine_workflow
@@ -40,6 +42,7 @@ class RecoverRequest:
 
     machine: str  # a BMDB machine id, a provider id or a workflow id
     reason: str
+    by: str = "unknown"
 
 
 async def request_recovery(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], request: RecoverRequest) -> str:
@@ -48,7 +51,7 @@ async def request_recovery(client: Client, open_bmdb: Callable[[], Awaitable[BMD
     workflow_id = await running_machine_workflow(client, open_bmdb, request.machine, then="recover it again")
     handle = client.get_workflow_handle(workflow_id)
     before = await _stage_of(client, workflow_id)
-    await handle.signal(FORCE_RECOVER_SIGNAL, {"reason": reason})
+    await handle.signal(FORCE_RECOVER_SIGNAL, {"reason": reason, "by": request.by})
     if before == "QUARANTINED":
         return f"{workflow_id}: was QUARANTINED; the forced recovery releases it ({reason}) and reboots it"
     if before == "RECOVERING":
@@ -74,12 +77,14 @@ def register(commands: Subcommands) -> None:
     add_common(parser)
     parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     parser.add_argument("--reason", required=True, type=reason_arg, help="why; shown in status and the event log")
+    add_by(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     async def recover(open_bmdb: Callable[[], Awaitable[BMDB]]) -> str:
         client = await connect_temporal(settings)
-        return await request_recovery(client, open_bmdb, RecoverRequest(args.machine, args.reason))
+        request = RecoverRequest(args.machine, args.reason, args.by or operator())
+        return await request_recovery(client, open_bmdb, request)
 
     return answer_with_lazy_bmdb(settings, recover)

@@ -19,7 +19,16 @@ from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import RETRY_NOW_SIGNAL, machine_workflow_id
 from lifecycle.takeover import host_key_fingerprint
-from shepherd.commands.base import EXIT_OK, MACHINE_HELP, Subcommands, add_common, reason_arg, with_bmdb
+from shepherd.commands.base import (
+    EXIT_OK,
+    MACHINE_HELP,
+    Subcommands,
+    add_by,
+    add_common,
+    operator,
+    reason_arg,
+    with_bmdb,
+)
 from shepherd.commands.machine_ref import describe_workflow, resolve_machine
 
 
@@ -27,14 +36,14 @@ class HostKeyError(Exception):
     """The pin could not be reset, or the workflow not told; the message says what happened and what to do."""
 
 
-async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str) -> str:
+async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str, by: str = "unknown") -> str:
     """Forget the machine's pin and ask its workflow to retry; returns what happened, for the operator."""
     record = await resolve_machine(bmdb, machine)
     name = record.provider_id
     if record.ssh_host_key is None:
         return f"{name} has no pinned host key; its next takeover pins the key it sees"
     fingerprint = host_key_fingerprint(record.ssh_host_key)
-    if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, f"{reason}; was {fingerprint}"):
+    if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, f"by {by}: {reason}; was {fingerprint}"):
         raise HostKeyError(
             f"the host key pin of {name} changed while it was being reset; nothing was reset, "
             f"see `shepherd events {name}` and try again"
@@ -47,7 +56,8 @@ async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str) 
             return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
         if description.status != WorkflowExecutionStatus.RUNNING:
             return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
-        await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, f"host key pin reset: {reason}")
+        retry = {"reason": f"host key pin reset: {reason}", "by": by}
+        await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, retry)
     except RPCError as error:
         raise HostKeyError(
             f"{done}, but {workflow_id} could not be asked to retry now ({error.message}); "
@@ -63,6 +73,7 @@ def register(commands: Subcommands) -> None:
     add_common(parser)
     parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     parser.add_argument("--reason", required=True, type=reason_arg, help="why; kept in the event log")
+    add_by(parser)
     parser.set_defaults(run=run)
 
 
@@ -71,7 +82,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     message = with_bmdb(
         settings,
         lambda: connect_temporal(settings),
-        lambda client, bmdb: reset_host_key(client, bmdb, args.machine, args.reason),
+        lambda client, bmdb: reset_host_key(client, bmdb, args.machine, args.reason, args.by or operator()),
         HostKeyError,
     )
     print(message)

@@ -143,6 +143,8 @@ def _operator_rows(status: MachineStatus, now: datetime) -> list[tuple[str, str]
             rows.append(("agent stop", d.agent))
         if d.provider_action:
             rows.append(("provider", f"{d.provider_action}: {d.provider_detail}"))
+    # The last few, newest last; `shepherd events MACHINE --actions` has them all.
+    rows += [("asked", f"{a.action} by {a.by}, {_at_text(a.at, now)}: {a.reason}") for a in status.actions[-3:]]
     return rows
 
 
