@@ -21,6 +21,7 @@ from shepherd.commands.base import (
     operator,
     reason_arg,
 )
+from shepherd.commands.bulk import add_where, check_target, run_bulk, updating
 
 
 def register(commands: Subcommands) -> None:
@@ -28,12 +29,16 @@ def register(commands: Subcommands) -> None:
         "decommission", help="retire a machine for good: stop its agent, release or power it off, never adopt it again"
     )
     add_common(parser)
-    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("machine", metavar="MACHINE", nargs="?", help=MACHINE_HELP)
     parser.add_argument("--reason", required=True, type=reason_arg, help="why; kept in BMDB, the event log and history")
     add_by(parser)
+    add_where(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    check_target(args)
     request = {"reason": args.reason, "by": args.by or operator()}
+    if args.where is not None:
+        return run_bulk(settings, args, "decommission (for good)", updating(DECOMMISSION_UPDATE, request))
     return ask_machine(settings, args.machine, DECOMMISSION_UPDATE, request, then="decommission it")

@@ -21,6 +21,7 @@ from shepherd.commands.base import (
     operator,
     reason_arg,
 )
+from shepherd.commands.bulk import add_where, check_target, run_bulk, updating
 
 
 def register(commands: Subcommands) -> None:
@@ -28,17 +29,19 @@ def register(commands: Subcommands) -> None:
         "maintenance", help="take a machine out of automation (--on) for hardware work, and back (--off)"
     )
     add_common(parser)
-    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("machine", metavar="MACHINE", nargs="?", help=MACHINE_HELP)
     switch = parser.add_mutually_exclusive_group(required=True)
     switch.add_argument("--on", action="store_true", help="never reboot or take it over until --off")
     switch.add_argument("--off", action="store_true", help="back to automation; its agent's heartbeat decides")
     parser.add_argument("--reason", type=reason_arg, help="why; required with --on, kept in the event log")
     parser.add_argument("--recover", action="store_true", help="with --off: reboot it and take it over again")
     add_by(parser)
+    add_where(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    check_target(args)
     if args.on and args.reason is None:
         raise UsageError("--on needs --reason: why the machine goes into maintenance")
     if args.recover and not args.off:
@@ -47,4 +50,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if args.reason is not None:
         request["reason"] = args.reason
 
+    if args.where is not None:
+        doing = "maintenance on" if args.on else "maintenance off" + (" and a reboot" if args.recover else "")
+        return run_bulk(settings, args, doing, updating(SET_MAINTENANCE_UPDATE, request))
     return ask_machine(settings, args.machine, SET_MAINTENANCE_UPDATE, request, then="ask again once it runs")

@@ -31,6 +31,7 @@ from shepherd.commands.base import (
     operator,
     reason_arg,
 )
+from shepherd.commands.bulk import Target, add_where, check_target, run_bulk
 from shepherd.commands.machine_ref import running_machine_workflow
 
 _QUERY_TIMEOUT = timedelta(seconds=5)
@@ -75,13 +76,24 @@ async def _stage_of(client: Client, workflow_id: str) -> str:
 def register(commands: Subcommands) -> None:
     parser = commands.add_parser("recover", help="reboot a machine and take it over again (force_recover)")
     add_common(parser)
-    parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
+    parser.add_argument("machine", metavar="MACHINE", nargs="?", help=MACHINE_HELP)
     parser.add_argument("--reason", required=True, type=reason_arg, help="why; shown in status and the event log")
     add_by(parser)
+    add_where(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    check_target(args)
+    if args.where is not None:
+        signal = {"reason": args.reason, "by": args.by or operator()}
+
+        async def force(client: Client, target: Target) -> str:
+            await client.get_workflow_handle(target.workflow_id).signal(FORCE_RECOVER_SIGNAL, signal)
+            return f"{target.workflow_id}: recovery requested ({args.reason}); it was {target.stage}"
+
+        return run_bulk(settings, args, "a reboot and a new takeover", force)
+
     async def recover(open_bmdb: Callable[[], Awaitable[BMDB]]) -> str:
         client = await connect_temporal(settings)
         request = RecoverRequest(args.machine, args.reason, args.by or operator())

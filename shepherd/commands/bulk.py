@@ -1,0 +1,188 @@
+"""``--where``: one operator action on every machine a Temporal visibility query selects.
+
+The query is the Temporal UI's list filter (``Provider = "rack1" AND MachineStage = "WATCHING"``), narrowed to
+running machine workflows. The machines are listed with their count before anything is done; then, after a
+confirmation (or ``--yes``), the action runs at a bounded rate with a line per machine as it finishes, and a
+summary says how many succeeded and names each that did not. ``--dry-run`` stops after the list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from foundation.settings import Settings
+from foundation.startup import connect_temporal
+from lifecycle.contracts import MACHINE_STAGE, PROVIDER_ID, RUNNING_MACHINES
+from shepherd.commands.base import EXIT_FAILURE, EXIT_OK, CommandError, UsageError
+
+# Machines an action is under way on at once; the rate paces the starts.
+IN_FLIGHT = 10
+DEFAULT_RATE = 5.0
+# Machines the list before the confirmation names one by one; the count is always whole.
+LISTED = 50
+
+
+@dataclass(frozen=True)
+class Target:
+    """One machine a --where query selected: its workflow, provider id and stage at the time of the listing."""
+
+    workflow_id: str
+    provider_id: str
+    stage: str
+
+
+# What one machine's action does: the line to show for it, or an exception whose message says why not.
+Act = Callable[[Client, Target], Awaitable[str]]
+
+
+def add_where(parser: argparse.ArgumentParser) -> None:
+    """--where and its companions; the command's MACHINE argument becomes optional."""
+    parser.add_argument(
+        "--where",
+        metavar="QUERY",
+        help="instead of MACHINE: every running machine this visibility query selects, "
+        'e.g. \'Provider = "rack1" AND MachineStage = "WATCHING"\'',
+    )
+    parser.add_argument("--dry-run", action="store_true", help="with --where: list the machines, do nothing")
+    parser.add_argument("--yes", action="store_true", help="with --where: do not ask for a confirmation")
+    parser.add_argument(
+        "--rate",
+        type=_rate_arg,
+        default=DEFAULT_RATE,
+        help="with --where: machines started per second (default %(default)g)",
+    )
+
+
+def _rate_arg(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < rate <= 1000:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1000 machines a second, got {text}")
+    return rate
+
+
+def check_target(args: argparse.Namespace) -> None:
+    """Exactly one of MACHINE and --where; the bulk flags only with --where."""
+    if (args.machine is None) == (args.where is None):
+        raise UsageError("name one MACHINE, or select machines with --where QUERY")
+    if args.where is None and (args.dry_run or args.yes or args.rate != DEFAULT_RATE):
+        raise UsageError("--dry-run, --yes and --rate go with --where")
+    if args.where is not None and not args.where.strip():
+        raise UsageError("--where needs a query, e.g. 'MachineStage = \"WATCHING\"'")
+
+
+async def select(client: Client, where: str) -> list[Target]:
+    """The running machine workflows the query selects, by provider id; UsageError naming a malformed query."""
+    query = f"{RUNNING_MACHINES} AND ({where})"
+    targets = []
+    try:
+        async for execution in client.list_workflows(query):
+            attributes = execution.typed_search_attributes
+            targets.append(
+                Target(
+                    execution.id,
+                    attributes.get(PROVIDER_ID) or execution.id,
+                    attributes.get(MACHINE_STAGE) or "unknown",
+                )
+            )
+    except RPCError as error:
+        if error.status == RPCStatusCode.INVALID_ARGUMENT:
+            raise UsageError(f"--where {where!r} is not a query Temporal accepts: {error.message}") from None
+        raise
+    return sorted(targets, key=lambda t: t.workflow_id)
+
+
+def updating(update: str, request: dict[str, object]) -> Act:
+    """The act of sending one update to each machine's workflow; its answer is the line shown."""
+
+    async def act(client: Client, target: Target) -> str:
+        handle = client.get_workflow_handle(target.workflow_id)
+        return f"{target.workflow_id}: {await handle.execute_update(update, request, result_type=str)}"
+
+    return act
+
+
+def failure_text(error: BaseException) -> str:
+    """One line of why an action on one machine did not happen."""
+    if isinstance(error, WorkflowUpdateFailedError):
+        return str(getattr(error.cause, "message", None) or error.cause or error)
+    if isinstance(error, RPCError):
+        return error.message or error.status.name
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def confirmed(question: str) -> bool:
+    """Ask on stdout, read the answer from stdin; only yes is yes."""
+    print(f"{question} [y/N] ", end="", flush=True)
+    answer = sys.stdin.readline()
+    if not answer or not sys.stdin.isatty():
+        # A terminal echoed the answer and its newline; a pipe did not.
+        print()
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def act_on_all(client: Client, targets: list[Target], act: Act, rate: float) -> list[tuple[Target, str]]:
+    """Run act on every target, starting at most rate a second with at most IN_FLIGHT under way; a line as each
+    finishes. Returns the targets it failed on, with why."""
+    failures: list[tuple[Target, str]] = []
+    slots = asyncio.Semaphore(IN_FLIGHT)
+    finished = 0
+
+    async def one(target: Target) -> None:
+        nonlocal finished
+        try:
+            line = await act(client, target)
+        except Exception as error:
+            line = f"{target.workflow_id}: not done: {failure_text(error)}"
+            failures.append((target, failure_text(error)))
+        finally:
+            slots.release()
+        finished += 1
+        print(f"[{finished}/{len(targets)}] {line}", flush=True)
+
+    tasks = []
+    for index, target in enumerate(targets):
+        if index:
+            await asyncio.sleep(1 / rate)
+        await slots.acquire()
+        tasks.append(asyncio.create_task(one(target)))
+    await asyncio.gather(*tasks)
+    return failures
+
+
+def run_bulk(settings: Settings, args: argparse.Namespace, doing: str, act: Act) -> int:
+    """List what args.where selects, confirm, and act on each machine; doing: what is asked, for the prompt."""
+
+    async def run() -> int:
+        client = await connect_temporal(settings)
+        targets = await select(client, args.where)
+        if not targets:
+            raise CommandError(f"no running machine workflow matches --where {args.where!r}: nothing done")
+        print(f"{len(targets)} machine(s) match --where {args.where!r}:")
+        for target in targets[:LISTED]:
+            print(f"  {target.provider_id:<24} {target.stage:<16} {target.workflow_id}")
+        if len(targets) > LISTED:
+            print(f"  and {len(targets) - LISTED} more")
+        if args.dry_run:
+            print("dry run: nothing done")
+            return EXIT_OK
+        if not args.yes and not confirmed(f"{doing} on these {len(targets)} machine(s)?"):
+            print("nothing done")
+            return EXIT_FAILURE
+        failures = await act_on_all(client, targets, act, args.rate)
+        print(f"done: {len(targets) - len(failures)} of {len(targets)} succeeded", end="")
+        print(f", {len(failures)} did not:" if failures else "")
+        for target, why in failures:
+            print(f"  {target.workflow_id}: {why}")
+        return EXIT_FAILURE if failures else EXIT_OK
+
+    return asyncio.run(run())
