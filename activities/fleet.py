@@ -190,6 +190,8 @@ class FleetActivities:
             return machine.provider_id
 
         signalled = [p for p in await each_at_most(silent, TEMPORAL_CALLS_IN_FLIGHT, signal) if p is not None]
+        told = set(signalled)
+        await self.deps.bmdb.record_heartbeats_lost([m for m in silent if m.provider_id in told])
         if signalled:
             log.info("agents silent on %d machine(s): %s", len(signalled), ", ".join(signalled[:20]))
         return signalled

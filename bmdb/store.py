@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import DateTime, String, cast, delete, func, insert, literal, or_, select, update
+from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -787,6 +788,32 @@ class BMDB:
                 select(events).where(condition).order_by(events.c.at.desc(), events.c.event_id.desc()).limit(limit)
             )
             return [Event(r.machine_id, r.at, r.kind, r.detail) for r in rows]
+
+    async def record_heartbeats_lost(self, machines: Sequence[SilentMachine]) -> int:
+        """A ``heartbeat_lost`` event for each machine, once per agent: a machine the watchdog finds silent again
+        in the next pass, before its recovery, gets none. Returns how many were written."""
+        written = 0
+        async with self.engine.begin() as conn:
+            for machine in machines:
+                logged = (
+                    select(events.c.event_id)
+                    .where(
+                        events.c.machine_id == machine.machine_id,
+                        events.c.kind == "heartbeat_lost",
+                        events.c.at >= machine.agent_started_at,
+                    )
+                    .exists()
+                )
+                row = select(
+                    literal(machine.machine_id, UUID(as_uuid=True)),
+                    literal("heartbeat_lost"),
+                    literal(f"{machine.cause()}: the watchdog asks for a recovery"),
+                ).where(~logged)
+                inserted = await conn.execute(
+                    insert(events).from_select(["machine_id", "kind", "detail"], row).returning(events.c.event_id)
+                )
+                written += len(inserted.all())
+        return written
 
     async def list_actions(self, machine_id: uuid.UUID | None, limit: int = 100) -> list[Event]:
         """The operator actions (OPERATOR_ACTION_KINDS) of one machine, or of every machine and the fleet when

@@ -182,6 +182,24 @@ async def test_a_retired_machine_is_marked_once_keeps_its_rows_and_is_never_watc
     assert (await bmdb.admit_machine("sim", "node-0001")) == (machine_id, False), "the id is never taken again"
 
 
+async def test_a_lost_heartbeat_is_logged_once_per_agent(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    started = datetime.now(UTC) - timedelta(hours=1)
+    await bmdb.record_agent_started(machine_id, started, b"k" * 32)
+    silent = await bmdb.silent_machines("sim", as_of=datetime.now(UTC), first_heartbeat_within=60, heartbeat_within=60)
+    assert [m.machine_id for m in silent] == [machine_id]
+    assert await bmdb.record_heartbeats_lost(silent) == 1
+    assert await bmdb.record_heartbeats_lost(silent) == 0, "the next pass finds it silent again: no second event"
+    [event] = await bmdb.list_events(machine_id, limit=1)
+    assert event.kind == "heartbeat_lost" and event.detail.startswith("no heartbeat since the agent started at")
+    # A new agent that falls silent is a new story.
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"n" * 32)
+    again = await bmdb.silent_machines(
+        "sim", as_of=datetime.now(UTC) + timedelta(hours=1), first_heartbeat_within=60, heartbeat_within=60
+    )
+    assert await bmdb.record_heartbeats_lost(again) == 1
+
+
 async def test_agent_started_is_an_upsert(bmdb):
     machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
     await bmdb.record_agent_started(machine_id, datetime(2026, 1, 1, tzinfo=UTC), b"a" * 32)

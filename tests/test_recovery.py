@@ -57,8 +57,18 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
         after = await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what="heartbeats after recovery")
         assert after.agent_public_key != before.agent_public_key
         # Newest first: the takeover waited for the machine to boot, so none failed on a booting machine.
-        kinds = [e.kind for e in await bmdb.list_events(after.machine_id)]
-        assert kinds[:3] == ["agent_started", "rebooted", "agent_started"]
+        # The machine's whole story, oldest first, each with its cause.
+        story = list(reversed(await bmdb.list_events(after.machine_id)))
+        assert [e.kind for e in story] == [
+            "admitted",
+            "provided",
+            "agent_started",
+            "heartbeat_lost",
+            "rebooted",
+            "agent_started",
+        ]
+        assert story[3].detail.startswith("last heartbeat at") and "the watchdog asks for a recovery" in story[3].detail
+        assert story[4].detail.startswith("rebooted: heartbeat lost: last heartbeat at")
         # The healthy machine was left alone.
         assert (await stack.status("node-0002")).recovery_count == 0
 

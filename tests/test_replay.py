@@ -4,12 +4,14 @@ tests/histories/ holds histories of real runs: a machine whose first agent
 start failed and was retried at an operator's retry_now, then forced into a
 recovery; the same machine's run after it; a machine recovered for a lost
 heartbeat; a fleet pass that admitted machines and one that signalled a silent
-one. A workflow change that would break the workflows running in a fleet fails
-here, before it is deployed.
+one; a machine an operator forced into a recovery, naming who asked, and its
+next run, taken into maintenance and then decommissioned. A workflow change
+that would break the workflows running in a fleet fails here, before it is
+deployed.
 
-`SHEPHERD_RECORD_HISTORIES=1 pytest tests/test_replay.py` records them again
-from a fresh run. Once a version is released its histories are kept as they
-are: a change goes behind `workflow.patched`, and new histories are added
+`SHEPHERD_RECORD_HISTORIES=1 pytest tests/test_replay.py` records the ones
+missing from a fresh run. Once a version is released its histories are kept as
+they are: a change goes behind `workflow.patched`, and new histories are added
 beside the old ones.
 """
 
@@ -24,7 +26,14 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from lifecycle.contracts import FORCE_RECOVER_SIGNAL, RETRY_NOW_SIGNAL, FleetInput, MachineStage
+from lifecycle.contracts import (
+    DECOMMISSION_UPDATE,
+    FORCE_RECOVER_SIGNAL,
+    RETRY_NOW_SIGNAL,
+    SET_MAINTENANCE_UPDATE,
+    FleetInput,
+    MachineStage,
+)
 from lifecycle.inputs import fleet_input
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
@@ -39,6 +48,8 @@ RECORDED = [
     "machine-heartbeat-lost",
     "fleet-pass-admits",
     "fleet-pass-signals-silent",
+    "machine-forced-by-an-operator",
+    "machine-decommissioned-in-maintenance",
 ]
 RECORDING = os.environ.get("SHEPHERD_RECORD_HISTORIES") == "1"
 
@@ -59,14 +70,14 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
     # An hour's back-off, so the failed agent start is retried only at retry_now.
     settings: dict[str, Any] = {**WATCH, "agent_start_backoff_initial": 3600.0, "agent_start_backoff_maximum": 3600.0}
     async with fleet_stack(
-        tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, sim_boot_seconds=0.0, **settings
+        tmp_path, temporal_client, bmdb_url, machines=3, heartbeats=True, sim_boot_seconds=0.0, **settings
     ) as stack:
         await sim_admin(stack, "/admin/faults", {"ssh_refuse": ["node-0001"]})
         admitting = await stack.client.start_workflow(
             FleetWorkflow.run, stack_fleet_input(stack), id="fleet-admits", task_queue=stack.settings.task_queue
         )
-        assert (await admitting.result()).admitted == ["node-0001", "node-0002"]
-        await stack.wait_for_stage(["node-0002"], MachineStage.WATCHING)
+        assert (await admitting.result()).admitted == ["node-0001", "node-0002", "node-0003"]
+        await stack.wait_for_stage(["node-0002", "node-0003"], MachineStage.WATCHING)
 
         # node-0001: the first agent start is refused, the operator fixes SSH and says retry_now.
         await stack.wait_for_error("node-0001")
@@ -88,6 +99,16 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
         assert (await signalling.result()).silent == ["node-0002"]
         await wait_for(lambda: recovered(stack, "node-0002"), limit=30, what="recovery of node-0002")
 
+        # node-0003: alice forces a recovery; in the next run bob takes it into maintenance, carol decommissions it.
+        third = stack.machine("node-0003")
+        forced_run = (await third.describe()).run_id
+        await third.signal(FORCE_RECOVER_SIGNAL, {"reason": "fan noise", "by": "alice"})
+        await wait_for(lambda: recovered(stack, "node-0003"), limit=30, what="forced recovery of node-0003")
+        await third.execute_update(SET_MAINTENANCE_UPDATE, {"on": True, "reason": "fans", "by": "bob"})
+        await stack.wait_for_stage(["node-0003"], MachineStage.MAINTENANCE)
+        await third.execute_update(DECOMMISSION_UPDATE, {"reason": "end of lease", "by": "carol"})
+        await third.result()
+
         client = stack.client
         histories = {
             "machine-first-run": await client.get_workflow_handle(first.id, run_id=first_run).fetch_history(),
@@ -97,13 +118,18 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
             ).fetch_history(),
             "fleet-pass-admits": await admitting.fetch_history(),
             "fleet-pass-signals-silent": await signalling.fetch_history(),
+            "machine-forced-by-an-operator": await client.get_workflow_handle(
+                third.id, run_id=forced_run
+            ).fetch_history(),
+            "machine-decommissioned-in-maintenance": await third.fetch_history(),
         }
     assert sorted(histories) == sorted(RECORDED)
     for name, history in histories.items():
         await replayer().replay_workflow(history)
-        if RECORDING:
+        recorded = HISTORIES / f"{name}.json"
+        if RECORDING and not recorded.exists():
             HISTORIES.mkdir(exist_ok=True)
-            (HISTORIES / f"{name}.json").write_text(history.to_json())
+            recorded.write_text(history.to_json())
 
 
 def stack_fleet_input(stack: FleetStack) -> FleetInput:
