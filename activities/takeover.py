@@ -20,7 +20,7 @@ from lifecycle.takeover import (
     stop_agent,
     take_over,
 )
-from providers import MachineNotFound
+from providers import MachineNotFound, ProviderMachine
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,7 @@ class TakeoverActivities:
                 type="MachineNotReady",
                 non_retryable=True,
             )
-        target = TakeoverTarget(
-            machine_id=input.machine_id,
-            address=machine.address,
-            port=machine.ssh_port,
-            username=machine.ssh_user or self.deps.settings.ssh_user,
-            pinned_host_key=record.ssh_host_key,
-        )
+        target = self._target(input.machine_id, machine.address, machine, record)
         try:
             result = await take_over(target, self.takeover_settings, self.deps.ssh_key)
         except TakeoverError as error:
@@ -91,13 +85,7 @@ class TakeoverActivities:
             return f"{input.provider} has no machine {input.provider_id}: no agent to stop"
         if machine.address is None:
             return f"{input.provider} lists no address for {input.provider_id}: no agent was started"
-        target = TakeoverTarget(
-            machine_id=input.machine_id,
-            address=machine.address,
-            port=machine.ssh_port,
-            username=machine.ssh_user or self.deps.settings.ssh_user,
-            pinned_host_key=record.ssh_host_key,
-        )
+        target = self._target(input.machine_id, machine.address, machine, record)
         try:
             answer = await stop_agent(target, self.takeover_settings, self.deps.ssh_key)
         except TakeoverError as error:
@@ -105,6 +93,16 @@ class TakeoverActivities:
             return f"not stopped over SSH ({error.problem}); its heartbeats are refused from now on"
         log.info("stopped the agent on %s machine %s: %s", input.provider, input.provider_id, answer)
         return f"stopped over SSH: {answer}"
+
+    def _target(self, machine_id: str, address: str, machine: ProviderMachine, record: MachineRecord) -> TakeoverTarget:
+        """Where SSH reaches the machine, as whom, and the host key it must show (none before first contact)."""
+        return TakeoverTarget(
+            machine_id=machine_id,
+            address=address,
+            port=machine.ssh_port,
+            username=machine.ssh_user or self.deps.settings.ssh_user,
+            pinned_host_key=record.ssh_host_key,
+        )
 
     async def _record(self, machine_id: uuid.UUID) -> MachineRecord:
         record = await self.deps.bmdb.get_machine(machine_id)
