@@ -775,3 +775,17 @@ async def test_operator_actions_say_who_asked_in_the_status_and_the_event_log(ti
             ("recovery_forced", "by unknown: smells of smoke"),
         ]
         await handle.terminate()
+
+
+async def test_a_decommission_the_provider_does_not_carry_out_is_flagged_stuck(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities(retire_failures=1000)
+    async with machine_worker(env, fakes, "decommission-stuck") as queue:
+        handle = await watching_machine(env, fakes, queue, SEED_POLICY)
+        await decommission(handle, reason="end of lease", by="dave")
+        await env.sleep(timedelta(hours=1, minutes=30))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.DECOMMISSIONING and status.stuck is not None
+        assert status.stuck.reason.startswith("DECOMMISSIONING for 1:00:00, longer than its 1:00:00 deadline")
+        assert [stuck for _, stuck, _ in fakes.stuck_records] == [True]
+        await handle.terminate()

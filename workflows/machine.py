@@ -568,6 +568,8 @@ class MachineWorkflow:
                 retry_policy=_BLIP_RETRY,
                 task_queue=provider_queue,
             ),
+            # A provider that does not retire the machine for as long as provisioning may take is flagged.
+            stuck_after=input.policy.provisioning_deadline,
         )
         asked.provider_action, asked.provider_detail = retired.action, retired.detail
         detail = (
