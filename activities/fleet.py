@@ -84,6 +84,14 @@ class FleetActivities:
         )
         for provider_id in plan.invalid_ids:
             log.error("BMDB has %s machine with an id the provider never issues: %r", input.provider, provider_id)
+        if plan.invalid_listed:
+            shown = ", ".join(repr(p[:80]) for p in plan.invalid_listed[:_DISAGREEMENTS_SHOWN])
+            log.error(
+                "provider %s lists %d machine(s) under ids of a form it never issues, left alone: %s",
+                input.provider,
+                len(plan.invalid_listed),
+                shown,
+            )
         if plan.newly_missing or plan.back_again:
             missing, back = await self.deps.bmdb.record_provider_listing(
                 input.provider, plan.newly_missing, plan.back_again

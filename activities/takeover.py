@@ -10,12 +10,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
-from bmdb.store import MachineRecord
+from bmdb.store import HostKeyPinned, MachineRecord
 from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
 from lifecycle.takeover import (
     TakeoverError,
+    TakeoverFailure,
     TakeoverSettings,
     TakeoverTarget,
+    host_key_fingerprint,
     key_fingerprint,
     stop_agent,
     take_over,
@@ -54,8 +56,16 @@ class TakeoverActivities:
                 non_retryable=True,
             )
         target = self._target(input.machine_id, machine.address, machine, record)
+
+        async def pin(host_key: str) -> str | None:
+            try:
+                await self.deps.bmdb.pin_host_key(machine_id, host_key)
+            except HostKeyPinned as pinned:
+                return pinned.pinned
+            return None
+
         try:
-            result = await take_over(target, self.takeover_settings, self.deps.ssh_key)
+            result = await take_over(target, self.takeover_settings, self.deps.ssh_key, pin)
         except TakeoverError as error:
             self.deps.metrics.takeovers.add(1, {"outcome": error.failure.name.lower()})
             await self.deps.bmdb.add_event(machine_id, "agent_start_failed", str(error))
@@ -67,8 +77,19 @@ class TakeoverActivities:
         detail = f"agent key {facts.key_fingerprint}"
         if facts.warnings:
             detail += "; warnings: " + "; ".join(facts.warnings)
-        # Pins the host key at first contact; a pinned one was checked in the SSH handshake.
-        await self.deps.bmdb.record_takeover(machine_id, started_at, result.agent_public_key, result.host_key, detail)
+        # The key was pinned at the handshake; a pinned one was checked in it. The record checks again, in its
+        # transaction, so no takeover is recorded beside another host key.
+        try:
+            await self.deps.bmdb.record_takeover(
+                machine_id, started_at, result.agent_public_key, result.host_key, detail
+            )
+        except HostKeyPinned as pinned:
+            problem = (
+                f"host key {host_key_fingerprint(pinned.pinned)} was pinned by another takeover, this server "
+                f"showed {host_key_fingerprint(result.host_key)}; its agent is not recorded"
+            )
+            await self.deps.bmdb.add_event(machine_id, "agent_start_failed", problem)
+            raise ApplicationError(problem, type=TakeoverFailure.HOST_KEY_CHANGED.name, non_retryable=True) from None
         self.deps.metrics.takeovers.add(1, {"outcome": "ok"})
         log.info("agent started on %s machine %s (%s)", input.provider, input.provider_id, detail)
         return facts

@@ -68,32 +68,29 @@ def error_response(message: str) -> takeover_pb2.TakeoverResponse:
     return takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message=message))
 
 
-def answer(init_bytes: bytes) -> takeover_pb2.TakeoverResponse:
-    """The response to the bytes read on standard input; makes and stores the agent's key."""
+def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, Ed25519PrivateKey | None]:
+    """The response to the bytes read on standard input, and the key it made and stored (None on an error)."""
     init = takeover_pb2.TakeoverInit()
     try:
         init.ParseFromString(init_bytes)
     except DecodeError as error:
-        return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): {error}")
+        return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): {error}"), None
     if not init.machine_id:
         # Also what empty input parses to: Shepherd always sends a machine id.
-        return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): no machine_id")
+        return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): no machine_id"), None
     key = Ed25519PrivateKey.generate()
     key_path = state_dir() / KEY_FILE
     try:
         write_private_key(key_path, key)
     except OSError as error:
-        return error_response(f"cannot store the agent key in {key_path}: {error.strerror or error}")
+        return error_response(f"cannot store the agent key in {key_path}: {error.strerror or error}"), None
     warnings = []
     if not init.ca_certificate:
         warnings.append(NO_CA_WARNING)
-    return takeover_pb2.TakeoverResponse(
-        success=takeover_pb2.TakeoverSuccess(
-            init_message=init,
-            key=key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
-            warnings=warnings,
-        )
+    success = takeover_pb2.TakeoverSuccess(
+        init_message=init, key=key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw), warnings=warnings
     )
+    return takeover_pb2.TakeoverResponse(success=success), key
 
 
 def stop() -> str:
@@ -116,22 +113,25 @@ def main() -> int:
         print(stop())
         return 0
     init_bytes = sys.stdin.buffer.read()
-    response = answer(init_bytes)
+    response, key = answer(init_bytes)
     sys.stdout.buffer.write(response.SerializeToString())
     sys.stdout.buffer.flush()
     if response.WhichOneof("result") == "success" and os.environ.get(HEARTBEATS_VARIABLE) != "off":
-        heartbeat(response.success.init_message)
+        assert key is not None
+        heartbeat(response.success.init_message, key)
     return 0
 
 
-def heartbeat(init: takeover_pb2.TakeoverInit) -> None:
-    """Detach from the SSH session and send heartbeats, logging to agent.log."""
+def heartbeat(init: takeover_pb2.TakeoverInit, key: Ed25519PrivateKey) -> None:
+    """Detach from the SSH session and send heartbeats signed with key, logging to agent.log.
+
+    The key answered is the key used: read back from agent.key, it could already be an overlapping takeover's.
+    """
     from agent.heartbeat import HeartbeatLoop, detach
 
     directory = state_dir()
     key_path = directory / KEY_FILE
-    own_key = key_path.read_bytes()
-    key = Ed25519PrivateKey.from_private_bytes(own_key)
+    own_key = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
     if not detach():
         return
     log_path = directory / LOG_FILE

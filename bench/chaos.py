@@ -201,6 +201,8 @@ def stack_settings(root: Path, ports: Ports, database_url: str, options: Options
         recovery_backoff_multiplier=1.5,
         first_heartbeat_timeout=60.0,
         heartbeat_timeout=options.heartbeat_timeout,
+        # One host, one clock: no more skew than the short timeout allows.
+        heartbeat_max_skew=min(10.0, options.heartbeat_timeout),
         # The whole fleet in one pass; admissions then go at about one a second (the dev server's timers).
         max_machines=options.machines,
         chunk_size=options.machines,

@@ -37,6 +37,14 @@ class BMDBUnavailable(Exception):
     """BMDB could not be reached or refused the connection."""
 
 
+class HostKeyPinned(Exception):
+    """The machine has another SSH host key pinned than the one its SSH server showed; nothing was recorded."""
+
+    def __init__(self, machine_id: uuid.UUID, pinned: str) -> None:
+        super().__init__(f"machine {machine_id} has another host key pinned")
+        self.pinned = pinned
+
+
 @dataclass(frozen=True)
 class ProvidedMachine:
     """A machine as BMDB knows it: who provides it and how far it got."""
@@ -381,20 +389,41 @@ class BMDB:
         async with self.engine.begin() as conn:
             await conn.execute(_agent_started(machine_id, started_at, public_key))
 
+    async def pin_host_key(self, machine_id: uuid.UUID, host_key: str) -> None:
+        """Pin the host key an SSH server showed at first contact; HostKeyPinned when another one is pinned.
+
+        Called at the handshake, before anything is sent: two takeovers that race to a first contact and meet
+        different servers cannot both pass.
+        """
+        async with self.engine.begin() as conn:
+            await self._pin(conn, machine_id, host_key)
+
+    @staticmethod
+    async def _pin(conn: Any, machine_id: uuid.UUID, host_key: str) -> None:
+        await conn.execute(
+            update(machine_provided)
+            .where(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key.is_(None))
+            .values(ssh_host_key=host_key)
+        )
+        pinned = await conn.scalar(
+            select(machine_provided.c.ssh_host_key).where(machine_provided.c.machine_id == machine_id)
+        )
+        if pinned is None:
+            raise KeyError(f"BMDB has no provided record for machine {machine_id}")
+        if pinned != host_key:
+            raise HostKeyPinned(machine_id, pinned)
+
     async def record_takeover(
         self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes, host_key: str, detail: str
     ) -> None:
         """Record a takeover in one transaction: the host key pinned unless one is, the agent, an agent_started event.
 
-        One transaction, so an activity that dies on the way leaves all or
+        HostKeyPinned, and nothing recorded, when another host key is pinned: a takeover that raced another to
+        a different server is refused. One transaction, so an activity that dies on the way leaves all or
         nothing, and its retry, which finds the agent recorded, loses no event.
         """
         async with self.engine.begin() as conn:
-            await conn.execute(
-                update(machine_provided)
-                .where(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key.is_(None))
-                .values(ssh_host_key=host_key)
-            )
+            await self._pin(conn, machine_id, host_key)
             await conn.execute(_agent_started(machine_id, started_at, public_key))
             await conn.execute(insert(events).values(machine_id=machine_id, kind="agent_started", detail=detail))
 

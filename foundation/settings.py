@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import tomllib
@@ -229,6 +230,9 @@ class Settings:
             raise SettingsError("log_format", f"must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         for f in fields(self):
             value = getattr(self, f.name)
+            # nan passes every comparison below, and inf makes timers that never fire.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SettingsError(f.name, f"must be a finite number, got {value}")
             if f.metadata.get("duration") and value <= 0:
                 raise SettingsError(f.name, f"must be a positive duration, got {value}")
         for name in ("agent_start_backoff_multiplier", "provision_backoff_multiplier", "recovery_backoff_multiplier"):
@@ -254,6 +258,18 @@ class Settings:
             raise SettingsError("recovery_backoff_maximum", "must not be below recovery_backoff_initial")
         if self.provision_backoff_maximum < self.provision_backoff_initial:
             raise SettingsError("provision_backoff_maximum", "must not be below provision_backoff_initial")
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise SettingsError(
+                "heartbeat_interval",
+                f"must be below heartbeat_timeout ({self.heartbeat_timeout:g}s), got {self.heartbeat_interval:g}s: "
+                "every agent would be found silent between two heartbeats",
+            )
+        if self.heartbeat_max_skew > self.heartbeat_timeout:
+            raise SettingsError(
+                "heartbeat_max_skew",
+                f"must not exceed heartbeat_timeout ({self.heartbeat_timeout:g}s), got {self.heartbeat_max_skew:g}s: "
+                "a heartbeat that old would be accepted from a machine the watchdog reads as silent",
+            )
         if not self.agent_target_path.startswith("/"):
             raise SettingsError("agent_target_path", f"must be an absolute path, got {self.agent_target_path!r}")
         if not self.providers and not _INSTANCE_NAME.match(self.provider):
@@ -411,14 +427,20 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not true or false")
 
 
+# libpq takes secrets as URL parameters too: postgresql://host/db?password=...
+_SECRET_PARAMETERS = re.compile(r"([?&](?:password|sslpassword)=)[^&#]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
+    """The URL without its passwords, in the credentials or the parameters, for messages and logs."""
+    url = _SECRET_PARAMETERS.sub(r"\1***", url)
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
+    if not sep or "@" not in rest.split("?", 1)[0]:
         return url
-    credentials, _, host = rest.rpartition("@")
+    credentials, _, host = rest.partition("?")[0].rpartition("@")
+    query = rest[len(credentials) + 1 + len(host) :]
     user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+    return f"{scheme}://{user}:***@{host}{query}" if ":" in credentials else url
 
 
 def effective_settings(settings: Settings, sources: Mapping[str, str], *, as_json: bool = False) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from foundation.files import replace_file
 from foundation.settings import SettingsError
 
 
@@ -31,12 +31,6 @@ class LocalCertificates:
 
 def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
 
 
 def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertificates:
@@ -74,12 +68,12 @@ def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertifi
         .add_extension(x509.SubjectAlternativeName([alt_name]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write(paths.ca_certificate, ca.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(paths.server_certificate, server.public_bytes(serialization.Encoding.PEM), 0o644)
+    replace_file(paths.ca_certificate, ca.public_bytes(serialization.Encoding.PEM), 0o644)
+    replace_file(paths.server_certificate, server.public_bytes(serialization.Encoding.PEM), 0o644)
     key_pem = server_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    _write(paths.server_key, key_pem, 0o600)
+    replace_file(paths.server_key, key_pem, 0o600)
     return paths
 
 

@@ -44,6 +44,8 @@ class ReconcilePlan:
     disagreements: list[Disagreement] = field(default_factory=list)
     # BMDB rows whose provider id this provider could never have issued.
     invalid_ids: list[str] = field(default_factory=list)
+    # Machines the provider listed under an id of a form it never issues: never brought under management.
+    invalid_listed: list[str] = field(default_factory=list)
     # BMDB machines the provider stopped listing in this pass, and marked ones it lists again.
     newly_missing: list[str] = field(default_factory=list)
     back_again: list[str] = field(default_factory=list)
@@ -88,8 +90,13 @@ def plan_reconcile(
 
     used: set[str] = set()
     unused: dict[str, ProviderMachine] = {}
+    invalid_listed: list[str] = []
     for machine in provider_machines:
         if machine.provider_id in retired:
+            continue
+        if not is_valid_id(machine.provider_id):
+            # An id of a form the provider never issues goes into no BMDB row, URL or workflow id.
+            invalid_listed.append(machine.provider_id)
             continue
         availability = resolve_availability(machine, bmdb.__contains__, is_valid_id)
         if availability is Availability.KNOWN_USED:
@@ -129,6 +136,7 @@ def plan_reconcile(
         bmdb_count=len(bmdb_machines),
         managed_count=len(bmdb),
         invalid_ids=invalid_ids,
+        invalid_listed=sorted(invalid_listed),
         newly_missing=newly_missing,
         back_again=back_again,
     )

@@ -15,7 +15,7 @@ import hashlib
 import posixpath
 import secrets
 import shlex
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -146,11 +146,21 @@ class TakeoverError(Exception):
         return (type(self), (self.failure, self.target, self.problem))
 
 
-async def take_over(target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey) -> TakeoverResult:
+# Pins the host key of a first contact; returns None, or the other key found pinned meanwhile.
+HostKeyPin = Callable[[str], Awaitable[str | None]]
+
+
+async def take_over(
+    target: TakeoverTarget,
+    settings: TakeoverSettings,
+    client_key: asyncssh.SSHKey,
+    pin: HostKeyPin | None = None,
+) -> TakeoverResult:
     """Upload the agent to target, run it and return what it answered.
 
-    Raises TakeoverError for every way this can fail. The connection is
-    always closed before this returns.
+    At a first contact (no pinned key), pin is given the host key the server showed before anything is sent,
+    so a takeover that raced another to a different server stops there. Raises TakeoverError for every way
+    this can fail. The connection is always closed before this returns.
     """
     init = takeover_pb2.TakeoverInit(
         machine_id=target.machine_id, endpoint=settings.endpoint, ca_certificate=settings.ca_certificate
@@ -158,6 +168,15 @@ async def take_over(target: TakeoverTarget, settings: TakeoverSettings, client_k
     connection = await _connect(target, settings.connect_timeout, client_key)
     try:
         host_key = _server_host_key(connection, target)
+        if pin is not None and target.pinned_host_key is None:
+            other = await pin(host_key)
+            if other is not None:
+                raise TakeoverError(
+                    TakeoverFailure.HOST_KEY_CHANGED,
+                    target,
+                    f"another takeover pinned host key {host_key_fingerprint(other)} first, this server shows "
+                    f"{host_key_fingerprint(host_key)}; find out who answers there, then `shepherd reset-host-key`",
+                )
         phase = "uploading the agent"
         try:
             async with asyncio.timeout(settings.exec_timeout):
@@ -403,7 +422,8 @@ async def _upload(connection: asyncssh.SSHClientConnection, target: TakeoverTarg
     try:
         async with connection.start_sftp_client() as sftp:
             try:
-                async with sftp.open(temporary, "wb") as file:
+                # Exclusive: in a directory others may write to, a link planted under the name is not followed.
+                async with sftp.open(temporary, "xb") as file:
                     await file.write(settings.agent_executable)
                 await sftp.chmod(temporary, 0o755)
                 try:

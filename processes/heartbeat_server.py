@@ -165,7 +165,14 @@ def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
 
 def build_server(service: HeartbeatService, listen: str, tls: tuple[Path, Path] | None) -> tuple[grpc.aio.Server, int]:
     """The gRPC server and the port it bound; tls is (certificate chain, private key) PEM files."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_REQUEST_SIZE)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_REQUEST_SIZE),
+            # gRPC binds with SO_REUSEPORT by default: a second server on the same port would then start
+            # silently and take half the agents' connections, and "cannot listen" would never be said.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     handler = grpc.unary_unary_rpc_method_handler(
         service.handle,
         # Parsed by the service, so malformed bytes get INVALID_ARGUMENT, not a generic error.
@@ -173,11 +180,17 @@ def build_server(service: HeartbeatService, listen: str, tls: tuple[Path, Path] 
         response_serializer=agent_api_pb2.HeartbeatResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": handler}),))
-    if tls is None:
-        port = server.add_insecure_port(listen)
-    else:
-        certificate, key = (path.read_bytes() for path in tls)
-        port = server.add_secure_port(listen, grpc.ssl_server_credentials([(key, certificate)]))
+    try:
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            certificate, key = (path.read_bytes() for path in tls)
+            port = server.add_secure_port(listen, grpc.ssl_server_credentials([(key, certificate)]))
+    except RuntimeError:
+        # grpcio raises this, with no reason, where older versions returned port 0.
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}: the port is taken, or the address is not this host's")
     return server, port
 
 
@@ -192,10 +205,11 @@ async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: a
     service = HeartbeatService(
         bmdb, interval=settings.heartbeat_interval, max_skew=settings.heartbeat_max_skew, meter=meter_of(runtime)
     )
-    server, port = build_server(service, settings.heartbeat_listen, tls)
-    if port == 0:
+    try:
+        server, _ = build_server(service, settings.heartbeat_listen, tls)
+    except OSError as error:
         await bmdb.close()
-        raise OSError(f"cannot listen on {settings.heartbeat_listen} (setting heartbeat_listen)")
+        raise OSError(f"{error} (setting heartbeat_listen)") from None
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

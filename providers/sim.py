@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -27,6 +28,7 @@ from providers import (
 from providers.registry import duration_option, unknown_options
 
 PROVIDER_TYPE = "sim"
+
 _ID = re.compile(r"node-\d{4,}")
 
 
@@ -111,6 +113,13 @@ class SimProvider:
     def _unexpected(self, where: str, status: int, payload: Any) -> ProviderProtocolError:
         return ProviderProtocolError(self.name, f"{where}: answer {status}: {self._error_text(payload)}")
 
+    def _machine_path(self, provider_id: str) -> str:
+        """The API path of one machine. An id of another form names no machine here, and must not name another
+        path ("../admin/faults?"): it is refused before any request, and the segment is quoted all the same."""
+        if not self.is_valid_id(provider_id):
+            raise MachineNotFound(self.name, provider_id[:100])
+        return f"/v1/machines/{quote(provider_id, safe='')}"
+
     async def list_machines(self) -> list[ProviderMachine]:
         where = "list machines"
         status, payload = await self._request(where, "GET", "/v1/machines")
@@ -122,7 +131,7 @@ class SimProvider:
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
         where = f"get machine {provider_id}"
-        status, payload = await self._request(where, "GET", f"/v1/machines/{provider_id}")
+        status, payload = await self._request(where, "GET", self._machine_path(provider_id))
         if status == 404:
             raise MachineNotFound(self.name, provider_id)
         if status != 200:
@@ -143,7 +152,7 @@ class SimProvider:
 
     async def reboot_machine(self, provider_id: str) -> Rebooted:
         where = f"reboot machine {provider_id}"
-        status, payload = await self._request(where, "POST", f"/v1/machines/{provider_id}/reboot")
+        status, payload = await self._request(where, "POST", self._machine_path(provider_id) + "/reboot")
         if status == 404:
             raise MachineNotFound(self.name, provider_id)
         if status != 202:
@@ -153,7 +162,7 @@ class SimProvider:
 
     async def retire_machine(self, provider_id: str) -> Retired:
         where = f"release machine {provider_id}"
-        status, payload = await self._request(where, "DELETE", f"/v1/machines/{provider_id}")
+        status, payload = await self._request(where, "DELETE", self._machine_path(provider_id))
         if status == 404:
             return Retired(RetireAction.UNTOUCHED, f"the simulator holds no machine {provider_id}: released already")
         if status != 200:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from foundation.files import replace_file
 
 
 @dataclass
@@ -104,9 +105,8 @@ class FleetState:
         )
 
     def save(self, path: Path) -> None:
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
-        os.replace(temporary, path)
+        # It holds the machines' private host keys: readable by the simulator's user alone.
+        replace_file(path, json.dumps(asdict(self), indent=1, sort_keys=True).encode(), 0o600)
 
     def by_idempotency_key(self, key: str) -> MachineRecord | None:
         return next((m for m in self.machines.values() if m.idempotency_key == key), None)

@@ -56,6 +56,9 @@ def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **
         chunk_size=20,
         device_creation_interval=0.01,
         shutdown_grace=2.0,
+        # Below the tests' short heartbeat timeouts (the stack's own heartbeat server asks every 0.3 s).
+        heartbeat_interval=1.0,
+        heartbeat_max_skew=1.0,
     )
     values.update(overrides)
     return Settings(**values).check_agent()

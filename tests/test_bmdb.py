@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -12,7 +13,7 @@ from sqlalchemy import create_engine
 
 from bmdb import migrate
 from bmdb.schema import metadata
-from bmdb.store import BMDB, BMDBUnavailable, redact_url, sqlalchemy_url
+from bmdb.store import BMDB, BMDBUnavailable, HostKeyPinned, redact_url, sqlalchemy_url
 
 
 def test_migrations_build_exactly_the_schema_the_code_uses(bmdb_url):
@@ -72,13 +73,27 @@ async def test_takeover_pins_the_first_host_key_and_logs_every_start(bmdb):
     await bmdb.record_provided(machine_id, address="127.0.0.1", ssh_port=2222, location=None)
     first, second = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC)
     await bmdb.record_takeover(machine_id, first, b"a" * 32, "ssh-ed25519 AAAAfirst", "agent key A")
-    await bmdb.record_takeover(machine_id, second, b"b" * 32, "ssh-ed25519 AAAAsecond", "agent key B")
+    await bmdb.record_takeover(machine_id, second, b"b" * 32, "ssh-ed25519 AAAAfirst", "agent key B")
+    # A takeover that met another server (it lost a race to the first contact) records nothing.
+    with pytest.raises(HostKeyPinned) as caught:
+        await bmdb.record_takeover(machine_id, second, b"c" * 32, "ssh-ed25519 AAAAother", "agent key C")
+    assert caught.value.pinned == "ssh-ed25519 AAAAfirst"
     record = await bmdb.get_machine(machine_id)
     assert record is not None
     assert record.ssh_host_key == "ssh-ed25519 AAAAfirst"
     assert (record.agent_started_at, record.agent_public_key) == (second, b"b" * 32)
     started = [e.detail for e in await bmdb.list_events(machine_id) if e.kind == "agent_started"]
     assert started == ["agent key B", "agent key A"]
+
+
+async def test_the_host_key_is_pinned_at_the_first_handshake_and_a_racing_other_key_is_refused(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    await asyncio.gather(*(bmdb.pin_host_key(machine_id, "ssh-ed25519 AAAAfirst") for _ in range(5)))
+    with pytest.raises(HostKeyPinned):
+        await bmdb.pin_host_key(machine_id, "ssh-ed25519 AAAAsecond")
+    assert (await bmdb.get_machine(machine_id)).ssh_host_key == "ssh-ed25519 AAAAfirst"
+    with pytest.raises(KeyError):
+        await bmdb.pin_host_key(uuid.uuid4(), "ssh-ed25519 AAAAfirst")
 
 
 async def test_a_recovery_cycle_records_its_reboot_once(bmdb):
@@ -225,6 +240,13 @@ def test_redact_url():
     assert redact_url("postgresql://u:pw@host:5432/db") == "postgresql://u:***@host:5432/db"
     assert redact_url("postgresql://u@host/db") == "postgresql://u@host/db"
     assert redact_url("postgresql://postgres:@/postgres?host=/tmp") == "postgresql://postgres:***@/postgres?host=/tmp"
+    assert redact_url("postgresql://u@h/db?password=s3cret&sslmode=require") == (
+        "postgresql://u@h/db?password=***&sslmode=require"
+    )
+    assert redact_url("postgresql:///db?host=/tmp&PassWord=s3cret") == "postgresql:///db?host=/tmp&PassWord=***"
+    assert redact_url("postgresql://u:p@ss@h/db?sslpassword=k&x=a@b") == (
+        "postgresql://u:***@h/db?sslpassword=***&x=a@b"
+    )
 
 
 async def test_silent_machines_follow_the_seeds_rule(bmdb):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -200,3 +201,32 @@ async def test_plain_text_only_when_asked(bmdb, agent):
             await stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
     finally:
         await server.stop(None)
+
+
+async def test_a_second_server_cannot_take_a_port_one_listens_on(bmdb):
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0)
+    first, port = build_server(service, "127.0.0.1:0", None)
+    await first.start()
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is taken"):
+            build_server(service, f"127.0.0.1:{port}", None)
+    finally:
+        await first.stop(None)
+
+
+async def test_the_command_says_in_one_line_that_it_cannot_listen(bmdb_url, shepherd_cli):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        env = {
+            "SHEPHERD_DATABASE_URL": bmdb_url,
+            "SHEPHERD_HEARTBEAT_PLAINTEXT": "true",
+            "SHEPHERD_HEARTBEAT_LISTEN": f"127.0.0.1:{port}",
+        }
+        code, out, err = await shepherd_cli(env, "heartbeat-server")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"shepherd heartbeat-server: cannot listen on 127.0.0.1:{port}: the port is taken, or the address is not "
+        "this host's (setting heartbeat_listen)\n"
+    )

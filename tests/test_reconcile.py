@@ -168,3 +168,12 @@ def test_a_decommissioned_machine_is_never_adopted_again_whatever_its_provider_s
     # It no longer counts against the limit either: node-0002 may take its place.
     assert [m.provider_id for m in plan.to_create] == [node(2)]
     assert plan.managed_count == 1
+
+
+def test_listed_ids_of_a_form_the_provider_never_issues_are_left_alone_not_refused():
+    hostile = ["../admin/faults?", "node-0002/reboot", "", "node-1"]
+    provider = [in_provider(h) for h in hostile] + [in_provider(node(3)), in_provider("../x", USED)]
+    plan = plan_reconcile(provider, [], max_machines=0, chunk_size=20, is_valid_id=valid)
+    assert not plan.refused
+    assert [m.provider_id for m in plan.to_create] == [node(3)]
+    assert plan.invalid_listed == sorted([*hostile, "../x"])

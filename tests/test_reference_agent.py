@@ -12,7 +12,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from agent import build
+from agent import build, reference
+from agent import heartbeat as heartbeat_module
 from agent.build import build_agent_executable
 from agent.reference import HEARTBEATS_VARIABLE, KEY_FILE, LOG_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
 from proto import takeover_pb2
@@ -152,3 +153,30 @@ def test_agent_built_without_heartbeats_answers_and_leaves_nothing_running(tmp_p
     # A detaching agent forks before it exits, so its daemon would exist by now.
     assert processes_with(STATE_DIR_VARIABLE, str(state)) == []
     assert not (state / LOG_FILE).exists()
+
+
+def test_the_agent_heartbeats_with_the_key_it_answered_though_an_overlapping_takeover_replaced_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(STATE_DIR_VARIABLE, str(tmp_path))
+    init = takeover_pb2.TakeoverInit(machine_id="7a6c1e9e-0000-4000-8000-000000000001", endpoint="127.0.0.1:1")
+    response, key = reference.answer(init.SerializeToString())
+    assert key is not None
+    # A second takeover writes its own key before this agent's heartbeats begin.
+    reference.write_private_key(tmp_path / KEY_FILE, Ed25519PrivateKey.generate())
+    used: dict = {}
+
+    class Recorded:
+        def __init__(self, machine_id, key, endpoint, ca, *, stop_reason, **_):
+            used.update(key=key, stop_reason=stop_reason)
+
+        def run(self):
+            return "recorded"
+
+    monkeypatch.setattr(heartbeat_module, "HeartbeatLoop", Recorded)
+    monkeypatch.setattr(heartbeat_module, "detach", lambda: True)
+    monkeypatch.setattr(reference.os, "_exit", lambda code: None)
+    reference.heartbeat(response.success.init_message, key)
+    signing = used["key"].public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    assert signing == response.success.key, "heartbeats are signed with the key Shepherd was told"
+    assert used["stop_reason"]() == "a newer agent has taken over this machine"

@@ -55,6 +55,13 @@ def test_durations(text, seconds):
         ({"SHEPHERD_DATABASE_URL": "mysql://x"}, "database_url"),
         ({"SHEPHERD_AGENT_TARGET_PATH": "agent"}, "agent_target_path"),
         ({"SHEPHERD_NO_SUCH_THING": "1"}, "no_such_thing"),
+        ({"SHEPHERD_RECOVERY_HOLD_FRACTION": "nan"}, "recovery_hold_fraction"),
+        ({"SHEPHERD_RECOVERY_BACKOFF_MULTIPLIER": "inf"}, "recovery_backoff_multiplier"),
+        ({"SHEPHERD_MAX_ACTIVITIES_PER_SECOND": "NaN"}, "max_activities_per_second"),
+        ({"SHEPHERD_HEARTBEAT_TIMEOUT": "1" + "0" * 400}, "heartbeat_timeout"),
+        ({"SHEPHERD_HEARTBEAT_INTERVAL": "10m"}, "heartbeat_interval"),
+        ({"SHEPHERD_HEARTBEAT_INTERVAL": "5m", "SHEPHERD_HEARTBEAT_TIMEOUT": "4m"}, "heartbeat_interval"),
+        ({"SHEPHERD_HEARTBEAT_MAX_SKEW": "11m"}, "heartbeat_max_skew"),
     ],
 )
 def test_bad_values_are_refused_naming_the_setting(environ, setting):
@@ -87,7 +94,8 @@ def test_a_toml_file_sits_below_the_environment_and_flags(tmp_path):
     config = tmp_path / "shepherd.toml"
     config.write_text(
         'temporal_address = "temporal.example.net:7233"\nmax_machines = 7\nreconcile_interval = "2m"\n'
-        "heartbeat_timeout = 90\nheartbeat_plaintext = true\nchunk_size = 5\nstate_dir = '/var/lib/shepherd'\n"
+        "heartbeat_timeout = 90\nheartbeat_max_skew = 60\nheartbeat_plaintext = true\nchunk_size = 5\n"
+        "state_dir = '/var/lib/shepherd'\n"
     )
     settings, sources = Settings.resolve(
         {"SHEPHERD_CHUNK_SIZE": "3", "SHEPHERD_CONFIG": str(config)}, task_queue="fleet-a"
@@ -121,6 +129,14 @@ def test_a_bad_toml_file_is_refused_naming_the_setting(tmp_path, text, setting, 
     with pytest.raises(SettingsError) as caught:
         Settings.resolve({}, config_path=config)
     assert caught.value.setting == setting and problem in str(caught.value)
+
+
+@pytest.mark.parametrize("literal", ["nan", "inf", "-inf"])
+def test_toml_nan_and_inf_are_refused_at_check(tmp_path, literal):
+    config = tmp_path / "shepherd.toml"
+    config.write_text(f"recovery_hold_fraction = {literal}\nheartbeat_timeout = {literal}\n")
+    with pytest.raises(SettingsError, match="must be a finite number"):
+        Settings.resolve({}, config_path=config)[0].check()
 
 
 def test_out_of_range_values_from_a_file_are_refused_at_check(tmp_path):

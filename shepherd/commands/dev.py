@@ -128,6 +128,8 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
         agent_endpoint_ca_certificate_path=certificates.ca_certificate,
         heartbeat_interval=5.0,
         heartbeat_timeout=20.0,
+        # One host, one clock: no more skew than the short timeout allows.
+        heartbeat_max_skew=10.0,
         first_heartbeat_timeout=60.0,
         recovery_backoff_initial=5.0,
         recovery_backoff_maximum=60.0,
