@@ -13,7 +13,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from proto import AGENT_MAX_RETRY_INTERVAL, agent_api_pb2
+from proto import AGENT_MAX_RETRY_INTERVAL, SERVER_TIME_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload
 
 # Never retry sooner than this, whatever the jitter draws.
@@ -71,6 +71,7 @@ class HeartbeatLoop:
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
         stop_reason: Callable[[], str | None] = lambda: None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.machine_id = machine_id
         self.key = key
@@ -84,6 +85,29 @@ class HeartbeatLoop:
         # Seeded from the OS per agent, so no two agents draw the same delays.
         self.rng = rng or random.Random(os.urandom(16))
         self.stop_reason = stop_reason
+        self.clock = clock
+        # Milliseconds to add to this machine's clock to be on the server's, as a stale refusal told.
+        self.clock_offset_ms = 0
+        self.last_sent_ms = 0
+
+    def _sent_at_ms(self) -> int:
+        """Now on the server's clock as far as known, and always after the last heartbeat sent."""
+        self.last_sent_ms = max(int(self.clock() * 1000) + self.clock_offset_ms, self.last_sent_ms + 1)
+        return self.last_sent_ms
+
+    def _correct_clock(self, error: Any) -> bool:
+        """Take the server's time from a stale refusal; True when it moved this agent's notion of now."""
+        told = dict(error.trailing_metadata() or ()).get(SERVER_TIME_METADATA)
+        try:
+            offset = int(str(told)) - int(self.clock() * 1000)
+        except ValueError:
+            return False
+        if abs(offset - self.clock_offset_ms) < 1000:
+            return False
+        how = f"{abs(offset) / 1000:.0f}s {'behind' if offset > 0 else 'ahead of'}"
+        self.log(f"this machine's clock is {how} the heartbeat server's: heartbeats follow it")
+        self.clock_offset_ms = offset
+        return True
 
     def run(self, call: Callable[..., Any] | None = None) -> str:
         """Heartbeat until a newer agent has taken over; returns why it stopped. call: the RPC (tests give one)."""
@@ -102,11 +126,14 @@ class HeartbeatLoop:
             if (reason := self.stop_reason()) is not None:
                 return reason
             try:
-                response = call(signed_heartbeat(self.machine_id, self.key), timeout=10)
+                response = call(signed_heartbeat(self.machine_id, self.key, self._sent_at_ms()), timeout=10)
             except grpc.RpcError as error:
                 code = error.code()
                 if accepted_once and code is grpc.StatusCode.UNAUTHENTICATED:
                     return f"heartbeat refused ({error.details()}): a newer agent has taken over"
+                if code is grpc.StatusCode.FAILED_PRECONDITION and self._correct_clock(error):
+                    # Sent again at once in the server's time; a second refusal backs off as any failure.
+                    continue
                 failures += 1
                 delay = retry_delay(failures, self.retry_interval, self.max_retry_interval, self.rng)
                 # Every failure at first, then ever more rarely: a long outage must not fill the disk.

@@ -303,6 +303,16 @@ class AgentFacts:
 
 
 @dataclass
+class StepProgress:
+    """A failing step carried into a new run: its attempts, since when its stage lasts, its last error, its flag."""
+
+    attempts: int
+    stage_since: str
+    last_error: str | None = None
+    stuck: Stuck | None = None
+
+
+@dataclass
 class MachineInput:
     """Input of MachineWorkflow, from the fleet activities that start it or from its own continue-as-new."""
 
@@ -320,6 +330,10 @@ class MachineInput:
     recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
     # What operators asked of the machine lately, oldest first.
     recent_actions: list[OperatorAction] = field(default_factory=list)
+    # Set when a step that keeps failing continues as new, to keep its history short: where it stands, and a
+    # recovery asked for meanwhile, which waits for the agent.
+    step: StepProgress | None = None
+    recovery_requested: str | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ import hashlib
 import posixpath
 import secrets
 import shlex
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -30,7 +30,11 @@ from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 ED25519_KEY_SIZE = 32
 # A TakeoverResponse is a few hundred bytes; an agent writing more than this is
 # broken, and Shepherd must not hold an unbounded reply in memory.
-MAX_REPLY_SIZE = 1 << 20
+MAX_REPLY_SIZE = 64 << 10
+# What a machine says travels into payloads, the event log and the history, through every continue-as-new:
+# each text it sends is cut to a line this long, and at most this many warnings are kept.
+MAX_TEXT = 300
+MAX_WARNINGS = 10
 # Of the agent's standard error only the end is kept: that is where the reason is.
 MAX_STDERR_KEPT = 64 << 10
 STDERR_IN_RESULT = 4096
@@ -188,7 +192,9 @@ async def take_over(
                 TakeoverFailure.EXEC_TIMEOUT, target, f"not done within {settings.exec_timeout:g}s while {phase}"
             ) from None
         except (asyncssh.Error, OSError) as error:
-            raise TakeoverError(TakeoverFailure.SSH_ERROR, target, f"SSH failed while {phase}: {error}") from None
+            raise TakeoverError(
+                TakeoverFailure.SSH_ERROR, target, f"SSH failed while {phase}: {machine_text(str(error))}"
+            ) from None
     finally:
         await _close(connection, settings.connect_timeout)
 
@@ -200,7 +206,7 @@ async def take_over(
             how = "ended without an exit status"
         else:
             how = f"exited with status {run.exit_status}"
-        shown = " | ".join(stderr[-STDERR_IN_MESSAGE:].splitlines()) or "(empty)"
+        shown = machine_text(" | ".join(stderr[-STDERR_IN_MESSAGE:].splitlines()), STDERR_IN_MESSAGE) or "(empty)"
         raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {shown}")
     success = _parse_reply(run.stdout, target)
     if success.init_message != init:
@@ -208,8 +214,8 @@ async def take_over(
             TakeoverFailure.INIT_NOT_ECHOED,
             target,
             "the agent did not echo the init message it was sent "
-            f"(it echoed machine_id {success.init_message.machine_id!r}, "
-            f"endpoint {success.init_message.endpoint!r})",
+            f"(it echoed machine_id {machine_text(success.init_message.machine_id, 100)!r}, "
+            f"endpoint {machine_text(success.init_message.endpoint, 100)!r})",
         )
     if len(success.key) != ED25519_KEY_SIZE:
         raise TakeoverError(
@@ -220,7 +226,7 @@ async def take_over(
     return TakeoverResult(
         agent_public_key=bytes(success.key),
         host_key=host_key,
-        warnings=list(success.warnings),
+        warnings=machine_warnings(success.warnings),
         stderr=stderr[-STDERR_IN_RESULT:],
     )
 
@@ -246,10 +252,11 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
     finally:
         await _close(connection, settings.connect_timeout)
     lines = run.stdout.decode(errors="replace").strip().splitlines()
-    answer = lines[0][:STDERR_IN_MESSAGE] if lines else ""
+    answer = machine_text(lines[0]) if lines else ""
     if run.exit_status == 0 and answer.startswith(AGENT_STOPPED):
         return answer
-    shown = " | ".join(run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:].splitlines()) or "(empty)"
+    tail = run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]
+    shown = machine_text(" | ".join(tail.splitlines()), STDERR_IN_MESSAGE) or "(empty)"
     raise TakeoverError(
         TakeoverFailure.EXEC_FAILED,
         target,
@@ -531,6 +538,23 @@ async def _read_tail(stream: asyncssh.SSHReader[bytes], keep: int) -> bytes:
     return bytes(kept)
 
 
+def machine_text(text: str, limit: int = MAX_TEXT) -> str:
+    """What a machine said, on one line of printable characters, at most limit long (the cut is said)."""
+    line = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 4]).split())
+    if len(line) <= limit and len(text) <= limit * 4:
+        return line
+    cut = f"... ({len(text)} chars)"
+    return line[: limit - len(cut)] + cut
+
+
+def machine_warnings(warnings: Sequence[str]) -> list[str]:
+    """At most MAX_WARNINGS of a machine's warnings, each cut by machine_text; the rest counted in a last one."""
+    kept = [machine_text(w) for w in warnings[:MAX_WARNINGS]]
+    if len(warnings) > MAX_WARNINGS:
+        kept.append(f"and {len(warnings) - MAX_WARNINGS} more warnings")
+    return kept
+
+
 def _parse_reply(stdout: bytes, target: TakeoverTarget) -> takeover_pb2.TakeoverSuccess:
     if not stdout:
         raise TakeoverError(TakeoverFailure.BAD_REPLY, target, "the agent wrote nothing to its standard output")
@@ -545,7 +569,8 @@ def _parse_reply(stdout: bytes, target: TakeoverTarget) -> takeover_pb2.Takeover
         ) from None
     result = response.WhichOneof("result")
     if result == "error":
-        raise TakeoverError(TakeoverFailure.AGENT_ERROR, target, f"the agent reported: {response.error.message}")
+        message = machine_text(response.error.message, STDERR_IN_MESSAGE)
+        raise TakeoverError(TakeoverFailure.AGENT_ERROR, target, f"the agent reported: {message}")
     if result != "success":
         raise TakeoverError(
             TakeoverFailure.BAD_REPLY, target, f"the agent's TakeoverResponse ({len(stdout)} bytes) has no result set"

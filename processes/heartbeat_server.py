@@ -30,7 +30,7 @@ from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
 from foundation.metrics import meter_of, metrics_runtime
 from foundation.settings import Settings
-from proto import agent_api_pb2
+from proto import SERVER_TIME_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 
 log = logging.getLogger("shepherd.heartbeat")
@@ -41,15 +41,21 @@ MAX_REQUEST_SIZE = 1024
 NOT_ACCEPTED = "heartbeat not accepted: unknown machine, or not signed by its agent's key"
 # Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
 KEY_CACHE_SIZE = 100_000
+# Machines whose clock skew was logged, remembered so each is logged once.
+SKEW_LOGGED_SIZE = 10_000
 
 
 class HeartbeatRejected(Exception):
     """A heartbeat refused: the gRPC status to answer, the result to count it under, and why."""
 
-    def __init__(self, code: grpc.StatusCode, result: str, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, result: str, message: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.result = result
+        # Trailing metadata for the agent: the server's time, with a stale refusal.
+        self.trailing = trailing
 
 
 def _reject(code: grpc.StatusCode, result: str, message: str) -> NoReturn:
@@ -75,6 +81,7 @@ class HeartbeatService:
         # checks the key against BMDB again, and a miss re-reads it.
         self._keys: OrderedDict[uuid.UUID, bytes] = OrderedDict()
         self._key_cache_size = key_cache_size
+        self._skew_logged: OrderedDict[uuid.UUID, None] = OrderedDict()
         self.interval_ms = int(interval * 1000)
         self.max_skew_ms = int(max_skew * 1000)
         self.clock = clock
@@ -92,6 +99,8 @@ class HeartbeatService:
         except HeartbeatRejected as rejection:
             self._count(rejection.result)
             log.info("heartbeat rejected (%s) from %s", rejection.result, context.peer())
+            if rejection.trailing:
+                context.set_trailing_metadata(rejection.trailing)
             await context.abort(rejection.code, str(rejection))
         self._count("accepted")
         return response
@@ -112,13 +121,16 @@ class HeartbeatService:
             _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"signature must be {SIGNATURE_SIZE} bytes")
         if request.sent_at_unix_ms <= 0:
             _reject(grpc.StatusCode.INVALID_ARGUMENT, "malformed", "sent_at_unix_ms must be set")
-        skew = abs(self.clock() * 1000 - request.sent_at_unix_ms)
+        now_ms = int(self.clock() * 1000)
+        skew = abs(now_ms - request.sent_at_unix_ms)
         if skew > self.max_skew_ms:
-            _reject(
+            self._note_skew(machine_id, now_ms - request.sent_at_unix_ms)
+            raise HeartbeatRejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "stale",
                 f"sent_at_unix_ms is {skew / 1000:.0f}s from the server's clock"
-                f" (at most {self.max_skew_ms / 1000:.0f}s)",
+                f" (at most {self.max_skew_ms / 1000:.0f}s); the server's time is in {SERVER_TIME_METADATA}",
+                ((SERVER_TIME_METADATA, str(now_ms)),),
             )
         sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
         try:
@@ -136,6 +148,22 @@ class HeartbeatService:
                 grpc.StatusCode.ALREADY_EXISTS, "replayed", "a heartbeat sent at or after this one was already accepted"
             )
         return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=self.interval_ms)
+
+    def _note_skew(self, machine_id: uuid.UUID, behind_ms: int) -> None:
+        """Log a machine's clock skew once (a bounded memory of the machines logged): its agent corrects it."""
+        if machine_id in self._skew_logged:
+            return
+        self._skew_logged[machine_id] = None
+        if len(self._skew_logged) > SKEW_LOGGED_SIZE:
+            self._skew_logged.popitem(last=False)
+        log.warning(
+            "the clock of machine %s is %.0fs %s the server's (at most %.0fs accepted); its agent is told the "
+            "server's time",
+            machine_id,
+            abs(behind_ms) / 1000,
+            "behind" if behind_ms > 0 else "ahead of",
+            self.max_skew_ms / 1000,
+        )
 
     async def _signing_key(self, machine_id: uuid.UUID, request: agent_api_pb2.HeartbeatRequest) -> bytes:
         """The machine's agent key that signed this request, from the cache or else from BMDB."""

@@ -9,6 +9,10 @@ The ``*_pb2`` modules are generated from the ``.proto`` files beside them by
 # recovers the machines that fell silent during the outage.
 AGENT_MAX_RETRY_INTERVAL = 300.0
 
+# The trailing metadata of a heartbeat refused as stale: the server's clock, in Unix milliseconds, so an agent
+# whose clock is off can send its heartbeats in the server's time.
+SERVER_TIME_METADATA = "shepherd-server-time-ms"
+
 # Run with this argument (and nothing on standard input), the agent executable stops the agent that runs on the
 # machine, and answers a line that begins with AGENT_STOPPED on its standard output.
 AGENT_STOP_ARGUMENT = "--stop"

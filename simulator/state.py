@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ class Faults:
     exec_delay: float = 0.0
 
     def check(self) -> Faults:
+        for name in ("api_latency", "api_error_rate", "api_malformed_rate", "exec_delay"):
+            # nan passes every comparison below, and a nan or infinite delay holds every call for ever.
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("api_error_rate", "api_malformed_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -86,6 +91,10 @@ class MachineRecord:
     ssh_port: int = 0
 
 
+class StateUnreadable(OSError):
+    """The saved simulator state cannot be read back: the message names the file and the problem."""
+
+
 @dataclass
 class FleetState:
     """The simulator's created machines and how many times each slot was created; kept as JSON across restarts."""
@@ -96,13 +105,18 @@ class FleetState:
 
     @classmethod
     def load(cls, path: Path) -> FleetState:
+        """The state saved at path, or an empty one if there is none; StateUnreadable naming what is wrong."""
         if not path.exists():
             return cls()
-        raw = json.loads(path.read_text())
-        return cls(
-            machines={k: MachineRecord(**v) for k, v in raw.get("machines", {}).items()},
-            creations=dict(raw.get("creations", {})),
-        )
+        try:
+            raw = json.loads(path.read_bytes())
+            return cls(
+                machines={str(k): MachineRecord(**v) for k, v in raw.get("machines", {}).items()},
+                creations={str(k): int(v) for k, v in raw.get("creations", {}).items()},
+            )
+        except (ValueError, TypeError, AttributeError) as error:
+            problem = f"the simulator's state {path} is unreadable ({error}); move it away to start afresh"
+            raise StateUnreadable(problem) from None
 
     def save(self, path: Path) -> None:
         # It holds the machines' private host keys: readable by the simulator's user alone.

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -46,6 +48,16 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def bmdb_url(postgres_server: str) -> str:
+    return fresh_bmdb(postgres_server)
+
+
+@pytest.fixture(scope="module")
+def bmdb_url_module(postgres_server: str) -> str:
+    """A BMDB of its own for a module whose tests share one (the fuzz suite's many examples)."""
+    return fresh_bmdb(postgres_server)
+
+
+def fresh_bmdb(postgres_server: str) -> str:
     name = f"test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_server, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
@@ -124,6 +136,17 @@ async def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
 def shepherd_cli(monkeypatch, capsys):
     """Run ``shepherd ARGS`` in this process with extra environment; returns (exit code, stdout, stderr)."""
     from shepherd import cli
+
+    configure = cli.configure_logging
+
+    def configure_for_this_thread(*args: Any, **kwargs: Any) -> None:
+        # Workers of the test's stack log from the test's own thread meanwhile: not into the command's stderr.
+        configure(*args, **kwargs)
+        command = threading.get_ident()
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda record: record.thread == command)
+
+    monkeypatch.setattr(cli, "configure_logging", configure_for_this_thread)
 
     async def run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
         for name, value in env.items():

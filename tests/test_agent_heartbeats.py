@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.build import build_agent_executable
 from agent.heartbeat import MIN_RETRY_DELAY, HeartbeatLoop, retry_delay
@@ -239,3 +240,37 @@ def test_an_agent_whose_key_was_never_recorded_stops_once_a_newer_agent_runs_on_
     )
     assert loop.run(call) == "a newer agent has taken over this machine"
     assert len(calls) == 5
+
+
+async def test_an_agent_whose_clock_is_an_hour_behind_follows_the_servers_time(tmp_path, bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    key = Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+    server, port = await start_server(bmdb, tmp_path)
+    ca_der = x509.load_pem_x509_certificate(
+        local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
+    ).public_bytes(Encoding.DER)
+    lines: list[str] = []
+    waits: list[float] = []
+
+    class Enough(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 2:
+            raise Enough
+
+    endpoint = f"127.0.0.1:{port}"
+    behind = lambda: time.time() - 3600  # noqa: E731
+    loop = HeartbeatLoop(str(machine_id), key, endpoint, ca_der, log=lines.append, sleep=sleep, clock=behind)
+    try:
+        with pytest.raises(Enough):
+            await asyncio.to_thread(loop.run)
+    finally:
+        await server.stop(None)
+    # Refused once as stale, corrected at once, then two heartbeats accepted in a row: signed and still in order.
+    assert lines == ["this machine's clock is 3600s behind the heartbeat server's: heartbeats follow it"]
+    assert waits == [0.2, 0.2]
+    assert await heartbeat_after(bmdb, machine_id, None)

@@ -17,7 +17,7 @@ from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
 from foundation.tls import local_certificates
 from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
-from proto import agent_api_pb2, agent_api_pb2_grpc
+from proto import SERVER_TIME_METADATA, agent_api_pb2, agent_api_pb2_grpc
 
 
 @dataclass
@@ -96,6 +96,20 @@ async def test_stale_timestamp_is_refused(endpoint, agent, bmdb):
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "clock" in (error.details() or "")
     assert await heartbeat_at(bmdb, agent.machine_id) is None
+
+
+async def test_a_stale_refusal_tells_the_servers_time_and_the_skew_is_logged_once(endpoint, agent, bmdb, caplog):
+    an_hour_behind = int(datetime.now(UTC).timestamp() * 1000) - 3_600_000
+    for _ in range(3):
+        error = await rejected(endpoint, signed_heartbeat(str(agent.machine_id), agent.key, now_ms=an_hour_behind))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        told = dict(error.trailing_metadata())[SERVER_TIME_METADATA]
+        assert abs(int(told) - datetime.now(UTC).timestamp() * 1000) < 5_000
+    warnings = [r.getMessage() for r in caplog.records if "the server's (at most" in r.getMessage()]
+    assert len(warnings) == 1 and f"machine {agent.machine_id} is 3600s behind" in warnings[0]
+    # In the server's time, the same agent is accepted.
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key, now_ms=int(told)))
+    assert await heartbeat_at(bmdb, agent.machine_id) is not None
 
 
 async def test_replayed_and_older_requests_are_refused(endpoint, agent, bmdb):

@@ -51,7 +51,7 @@ from lifecycle.contracts import (
     provider_task_queue,
 )
 from lifecycle.inputs import lifecycle_policy
-from workflows.machine import MachineWorkflow
+from workflows.machine import STEP_ATTEMPTS_PER_RUN, MachineWorkflow
 
 # The seed's back-offs are the settings' defaults.
 SEED_POLICY = lifecycle_policy(Settings())
@@ -760,6 +760,9 @@ async def test_operator_actions_say_who_asked_in_the_status_and_the_event_log(ti
         await handle.signal("force_recover", "smells of smoke")
         await env.sleep(timedelta(seconds=120))
         await maintenance(handle, on=True, reason="fans", by="carol")
+        # Its BMDB mark is recorded before the workflow ends: the test server keeps skipped time locked for an
+        # activity of a workflow terminated as it was sent to a worker.
+        await env.sleep(timedelta(seconds=1))
         status = await handle.query(MachineWorkflow.status)
         # Kept across the recoveries' continue-as-new.
         assert [(a.action, a.by, a.reason) for a in status.actions] == [
@@ -788,4 +791,35 @@ async def test_a_decommission_the_provider_does_not_carry_out_is_flagged_stuck(t
         assert status.stage is MachineStage.DECOMMISSIONING and status.stuck is not None
         assert status.stuck.reason.startswith("DECOMMISSIONING for 1:00:00, longer than its 1:00:00 deadline")
         assert [stuck for _, stuck, _ in fakes.stuck_records] == [True]
+        await handle.terminate()
+
+
+async def test_a_step_that_keeps_failing_continues_as_new_and_keeps_its_count_deadline_and_requests(
+    time_skipping_env,
+):
+    env = time_skipping_env
+    failures = 2 * STEP_ATTEMPTS_PER_RUN + 10
+    fakes = FakeMachineActivities(agent_failures=failures)
+    async with machine_worker(env, fakes, "long-failing") as queue:
+        handle = await start_machine(env, queue, replace(FAST, agent_start_deadline=20.0))
+        await env.sleep(timedelta(seconds=1))
+        first = await handle.describe()
+        began = (await handle.query(MachineWorkflow.status)).stage_since
+        await handle.signal("force_recover", {"reason": "asked early", "by": "erin"})
+        await env.sleep(timedelta(seconds=STEP_ATTEMPTS_PER_RUN + 5))
+        status = await handle.query(MachineWorkflow.status)
+        assert (await handle.describe()).run_id != first.run_id, "continued as new"
+        assert status.stage is MachineStage.AGENT_STARTING and status.attempts > STEP_ATTEMPTS_PER_RUN
+        assert status.stage_since == began and status.last_error == "AGENT_ERROR: agent said: disk on fire"
+        assert status.stuck is not None, "flagged stuck in the first run, still flagged in the next"
+        first_history = await env.client.get_workflow_handle(handle.id, run_id=first.run_id).fetch_history()
+        assert len(first_history.events) < 12 * STEP_ATTEMPTS_PER_RUN
+        await env.sleep(timedelta(seconds=failures))
+        await env.sleep(timedelta(minutes=5))
+        status = await handle.query(MachineWorkflow.status)
+        # Every attempt was made once, the agent runs, and the recovery asked for in the first run was done.
+        assert len(fakes.agent_attempt_times) == failures + 2
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 1
+        assert [cause for _, cause in fakes.reboots] == ["forced: asked early (by erin)"]
+        assert [stuck for _, stuck, _ in fakes.stuck_records] == [True, False]
         await handle.terminate()

@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         RetireInput,
         RetireResult,
         StartAgentInput,
+        StepProgress,
         Stuck,
         StuckInput,
         machine_search_attributes,
@@ -92,6 +93,11 @@ _STUCK_FLAG = "stuck-flag"
 _ACTIONS_LOGGED = "operator-actions-logged"
 # How many operator actions the status keeps.
 _ACTIONS_KEPT = 10
+# Step attempts recorded before a failing step continued as new made one long history.
+_SHORT_STEP_HISTORY = "failing-step-continues-as-new"
+# Attempts of a failing step in one run, before it continues as new: a machine that fails for months keeps a
+# history of a few hundred events.
+STEP_ATTEMPTS_PER_RUN = 50
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 _BOOT_WAIT_BOUND = timedelta(hours=4)
 
@@ -131,6 +137,10 @@ class _DecommissionNow(Exception):
     """Leaves a step's retries, a maintenance or a quarantine for the decommission an operator asked for."""
 
 
+class _ContinueStep(Exception):
+    """Leaves a step that has failed STEP_ATTEMPTS_PER_RUN times in this run, to go on in a new one."""
+
+
 def maintenance_request(request: Any) -> tuple[bool, str, str, bool]:
     """(on, reason, who, reboot after) of a set_maintenance argument; ValueError naming what is wrong."""
     if not isinstance(request, dict) or not isinstance(request.get("on"), bool):
@@ -159,7 +169,7 @@ class MachineWorkflow:
             "provider": input.provider,
             "provider_id": input.provider_id,
         }
-        self._status = MachineStatus(
+        self._status = status = MachineStatus(
             machine_id=input.machine_id,
             provider=input.provider,
             provider_id=input.provider_id,
@@ -171,7 +181,12 @@ class MachineWorkflow:
             last_recovery_reason=input.last_recovery_reason,
             recent_recoveries=list(input.recent_recoveries),
             actions=list(input.recent_actions),
+            recovery_requested=input.recovery_requested,
         )
+        if input.step is not None:
+            status.attempts, status.stage_since = input.step.attempts, input.step.stage_since
+            status.last_error, status.stuck = input.step.last_error, input.step.stuck
+        self._attempts_before_this_run = status.attempts
         self._retry_now = False
         # (who, why) of the operator who released the quarantined machine.
         self._release: tuple[str, str] | None = None
@@ -194,23 +209,14 @@ class MachineWorkflow:
         point once a decommission was asked for."""
         status = self._status
         self._set_stage(status.stage)
-
-        if status.stage is MachineStage.PROVISIONING:
-            provisioned = await self._until_success(
-                input.policy.provision_backoff,
-                lambda: self._provision(input),
-                stuck_after=input.policy.provisioning_deadline,
-            )
-            status.address = provisioned.address
-            self._set_stage(MachineStage.AGENT_STARTING)
-
-        if status.stage is MachineStage.AGENT_STARTING:
-            status.agent = await self._until_success(
-                input.policy.agent_start_backoff,
-                lambda: self._start_agent(input),
-                stuck_after=input.policy.agent_start_deadline,
-            )
-            self._set_stage(MachineStage.WATCHING)
+        try:
+            await self._bring_up(input)
+        except _ContinueStep:
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            carried = self._carried(input)
+            carried.step = StepProgress(status.attempts, status.stage_since, status.last_error, status.stuck)
+            carried.recovery_requested = status.recovery_requested
+            workflow.continue_as_new(carried)
 
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
         # this workflow, and the fleet watchdog signals only silent machines.
@@ -226,19 +232,7 @@ class MachineWorkflow:
         take_over_again = False
         if self._maintenance_asked is not None:
             take_over_again = await self._maintenance_from_watching()
-        next_run = MachineInput(
-            provider=input.provider,
-            provider_id=input.provider_id,
-            machine_id=input.machine_id,
-            policy=input.policy,
-            resume_stage=status.stage,
-            address=status.address,
-            agent=status.agent,
-            recovery_count=status.recovery_count,
-            last_recovery_reason=status.last_recovery_reason,
-            recent_recoveries=status.recent_recoveries,
-            recent_actions=status.actions,
-        )
+        next_run = self._carried(input)
         if take_over_again:
             next_run.resume_stage = MachineStage.AGENT_STARTING
             next_run.agent = None
@@ -268,6 +262,43 @@ class MachineWorkflow:
         # a hundred times keeps a short one.
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(next_run)
+
+    async def _bring_up(self, input: MachineInput) -> None:
+        """PROVISIONING and AGENT_STARTING, from where the machine stands, to WATCHING."""
+        status = self._status
+        if status.stage is MachineStage.PROVISIONING:
+            provisioned = await self._until_success(
+                input.policy.provision_backoff,
+                lambda: self._provision(input),
+                stuck_after=input.policy.provisioning_deadline,
+            )
+            status.address = provisioned.address
+            self._set_stage(MachineStage.AGENT_STARTING)
+
+        if status.stage is MachineStage.AGENT_STARTING:
+            status.agent = await self._until_success(
+                input.policy.agent_start_backoff,
+                lambda: self._start_agent(input),
+                stuck_after=input.policy.agent_start_deadline,
+            )
+            self._set_stage(MachineStage.WATCHING)
+
+    def _carried(self, input: MachineInput) -> MachineInput:
+        """The next run's input: the machine where it stands, with what its status must keep."""
+        status = self._status
+        return MachineInput(
+            provider=input.provider,
+            provider_id=input.provider_id,
+            machine_id=input.machine_id,
+            policy=input.policy,
+            resume_stage=status.stage,
+            address=status.address,
+            agent=status.agent,
+            recovery_count=status.recovery_count,
+            last_recovery_reason=status.last_recovery_reason,
+            recent_recoveries=status.recent_recoveries,
+            recent_actions=status.actions,
+        )
 
     @workflow.signal(dynamic=True)
     async def force_recover(self, name: str, arguments: Sequence[RawValue]) -> None:
@@ -719,6 +750,8 @@ class MachineWorkflow:
             self._stop_if_decommissioned()
             if self._maintenance_asked is not None:
                 await self._in_maintenance()
+            if self._history_full_of_attempts():
+                raise _ContinueStep()
             status.attempts += 1
             try:
                 result = await attempt()
@@ -775,6 +808,14 @@ class MachineWorkflow:
             except TimeoutError:
                 pass
         self._retry_now = False
+
+    def _history_full_of_attempts(self) -> bool:
+        """Whether a step that can resume in a new run has failed STEP_ATTEMPTS_PER_RUN times in this one."""
+        if self._status.stage not in (MachineStage.PROVISIONING, MachineStage.AGENT_STARTING):
+            return False
+        if self._status.attempts - self._attempts_before_this_run < STEP_ATTEMPTS_PER_RUN:
+            return False
+        return workflow.patched(_SHORT_STEP_HISTORY)
 
     def _wake_from_back_off(self) -> bool:
         # An operator's retry_now, or maintenance or a decommission to begin before the next attempt.
