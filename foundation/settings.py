@@ -155,6 +155,9 @@ class Settings:
     heartbeat_plaintext: bool = _setting(False, "Serve heartbeats without TLS (behind a TLS-terminating proxy)")
     heartbeat_interval: float = _duration(30.0, "How often agents are asked to send a heartbeat")
     heartbeat_max_skew: float = _duration(300.0, "Largest difference between agent and server clocks accepted")
+    heartbeat_peer_rate: float = _setting(
+        5000.0, "Heartbeats one address may send a second, in bursts of twice that (0: no limit)"
+    )
 
     # Lifecycle back-offs (the seed's defaults)
     agent_start_backoff_initial: float = _duration(300.0, "First wait after a failed agent start")
@@ -246,6 +249,7 @@ class Settings:
             ("max_activities_per_second", 0),
             ("recovery_hold_min_machines", 1),
             ("recovery_budget", 1),
+            ("heartbeat_peer_rate", 0),
         ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")

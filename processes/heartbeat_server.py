@@ -21,7 +21,8 @@ from typing import NoReturn
 
 import grpc
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from google.protobuf.message import DecodeError
 from sqlalchemy.exc import SQLAlchemyError
 from temporalio.common import MetricMeter
@@ -43,6 +44,16 @@ NOT_ACCEPTED = "heartbeat not accepted: unknown machine, or not signed by its ag
 KEY_CACHE_SIZE = 100_000
 # Machines whose clock skew was logged, remembered so each is logged once.
 SKEW_LOGGED_SIZE = 10_000
+# Machine ids BMDB has no agent for, remembered for one heartbeat interval: a flood of them costs no BMDB reads.
+UNKNOWN_CACHE_SIZE = 100_000
+# Addresses whose request rate is tracked, least recently seen dropped first.
+PEERS_TRACKED = 10_000
+# Heartbeats handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED and the agent backs off and retries.
+MAX_CONCURRENT_RPCS = 2_000
+# At most one line a kind of rejection this often, with how many were not logged.
+REJECTION_LOG_EVERY = 10.0
+# Verified when a machine has no agent key, so an unknown id costs what a wrong key does.
+_DUMMY_KEY = Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
 class HeartbeatRejected(Exception):
@@ -74,6 +85,8 @@ class HeartbeatService:
         clock: Callable[[], float] = time.time,
         meter: MetricMeter = MetricMeter.noop,
         key_cache_size: int = KEY_CACHE_SIZE,
+        peer_rate: float = 0.0,
+        peer_burst: float = 0.0,
     ) -> None:
         self.bmdb = bmdb
         # A heartbeat then costs one BMDB statement, not two. A cached key
@@ -82,6 +95,13 @@ class HeartbeatService:
         self._keys: OrderedDict[uuid.UUID, bytes] = OrderedDict()
         self._key_cache_size = key_cache_size
         self._skew_logged: OrderedDict[uuid.UUID, None] = OrderedDict()
+        # Machine id -> until when BMDB is not asked again for it (it had no agent key).
+        self._unknown: OrderedDict[uuid.UUID, float] = OrderedDict()
+        # Peer address -> (tokens, when counted): a token bucket each; peer_rate 0 is no limit.
+        self._peers: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.peer_rate, self.peer_burst = peer_rate, peer_burst
+        # Rejection result -> (when last logged, how many since).
+        self._rejections_logged: dict[str, tuple[float, int]] = {}
         self.interval_ms = int(interval * 1000)
         self.max_skew_ms = int(max_skew * 1000)
         self.clock = clock
@@ -94,11 +114,14 @@ class HeartbeatService:
         self._requests.add(1, {"result": result})
 
     async def handle(self, request_bytes: bytes, context: grpc.aio.ServicerContext) -> agent_api_pb2.HeartbeatResponse:
+        peer = context.peer() or "unknown"
         try:
+            if not self._peer_allowed(_host_of(peer)):
+                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "too many requests from this address")
             response = await self.check_and_record(request_bytes)
         except HeartbeatRejected as rejection:
             self._count(rejection.result)
-            log.info("heartbeat rejected (%s) from %s", rejection.result, context.peer())
+            self._log_rejection(rejection.result, peer)
             if rejection.trailing:
                 context.set_trailing_metadata(rejection.trailing)
             await context.abort(rejection.code, str(rejection))
@@ -149,6 +172,31 @@ class HeartbeatService:
             )
         return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=self.interval_ms)
 
+    def _peer_allowed(self, host: str) -> bool:
+        """Take a token from the host's bucket; False when it is empty (too many requests from one address)."""
+        if self.peer_rate <= 0:
+            return True
+        now = time.monotonic()
+        tokens, then = self._peers.pop(host, (self.peer_burst, now))
+        tokens = min(self.peer_burst, tokens + (now - then) * self.peer_rate)
+        allowed = tokens >= 1.0
+        self._peers[host] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._peers) > PEERS_TRACKED:
+            self._peers.popitem(last=False)
+        return allowed
+
+    def _log_rejection(self, result: str, peer: str) -> None:
+        """One line per kind of rejection every REJECTION_LOG_EVERY seconds, with how many it stands for: a flood
+        must not flood the log too (every one is counted in shepherd_heartbeat_requests_total)."""
+        now = time.monotonic()
+        last, unlogged = self._rejections_logged.get(result, (float("-inf"), 0))
+        if now - last < REJECTION_LOG_EVERY:
+            self._rejections_logged[result] = (last, unlogged + 1)
+            return
+        self._rejections_logged[result] = (now, 0)
+        more = f"; {unlogged} more since the last line" if unlogged else ""
+        log.info("heartbeat rejected (%s) from %s%s", result, peer, more)
+
     def _note_skew(self, machine_id: uuid.UUID, behind_ms: int) -> None:
         """Log a machine's clock skew once (a bounded memory of the machines logged): its agent corrects it."""
         if machine_id in self._skew_logged:
@@ -171,14 +219,35 @@ class HeartbeatService:
         if cached is not None and _signed_by(cached, request):
             self._keys.move_to_end(machine_id)
             return cached
-        key = await self.bmdb.agent_public_key(machine_id)
-        if key is None or not _signed_by(key, request):
+        now = time.monotonic()
+        if self._unknown.get(machine_id, 0.0) > now:
+            key = None
+        else:
+            key = await self.bmdb.agent_public_key(machine_id)
+            self._remember_unknown(machine_id, None if key is not None else now + self.interval_ms / 1000)
+        # A machine without an agent key is checked against a dummy one: the same answer, in the same time.
+        if not _signed_by(key or _DUMMY_KEY, request) or key is None:
             _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
         self._keys[machine_id] = key
         self._keys.move_to_end(machine_id)
         if len(self._keys) > self._key_cache_size:
             self._keys.popitem(last=False)
         return key
+
+    def _remember_unknown(self, machine_id: uuid.UUID, until: float | None) -> None:
+        """Keep BMDB from being asked about a machine without an agent key until `until`; None forgets it."""
+        self._unknown.pop(machine_id, None)
+        if until is None:
+            return
+        self._unknown[machine_id] = until
+        if len(self._unknown) > UNKNOWN_CACHE_SIZE:
+            self._unknown.popitem(last=False)
+
+
+def _host_of(peer: str) -> str:
+    """The address of a gRPC peer ("ipv4:10.0.0.7:51234", "ipv6:[::1]:51234"), without its port."""
+    address = peer.partition(":")[2] or peer
+    return address.rpartition(":")[0] or address
 
 
 def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
@@ -191,15 +260,22 @@ def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
     return True
 
 
-def build_server(service: HeartbeatService, listen: str, tls: tuple[Path, Path] | None) -> tuple[grpc.aio.Server, int]:
+def build_server(
+    service: HeartbeatService,
+    listen: str,
+    tls: tuple[Path, Path] | None,
+    *,
+    maximum_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+) -> tuple[grpc.aio.Server, int]:
     """The gRPC server and the port it bound; tls is (certificate chain, private key) PEM files."""
     server = grpc.aio.server(
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", MAX_REQUEST_SIZE),
             # gRPC binds with SO_REUSEPORT by default: a second server on the same port would then start
             # silently and take half the agents' connections, and "cannot listen" would never be said.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     handler = grpc.unary_unary_rpc_method_handler(
         service.handle,
@@ -231,7 +307,14 @@ async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: a
         assert settings.heartbeat_tls_certificate_path and settings.heartbeat_tls_key_path
         tls = (settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path)
     service = HeartbeatService(
-        bmdb, interval=settings.heartbeat_interval, max_skew=settings.heartbeat_max_skew, meter=meter_of(runtime)
+        bmdb,
+        interval=settings.heartbeat_interval,
+        max_skew=settings.heartbeat_max_skew,
+        meter=meter_of(runtime),
+        # One address sending more than a whole 100,000-machine fleet is a flood; behind a proxy every agent
+        # shares the proxy's address, which the default leaves room for.
+        peer_rate=settings.heartbeat_peer_rate,
+        peer_burst=2 * settings.heartbeat_peer_rate,
     )
     try:
         server, _ = build_server(service, settings.heartbeat_listen, tls)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +18,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
 from foundation.tls import local_certificates
+from processes import heartbeat_server
 from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
 from proto import SERVER_TIME_METADATA, agent_api_pb2, agent_api_pb2_grpc
 
@@ -244,3 +247,77 @@ async def test_the_command_says_in_one_line_that_it_cannot_listen(bmdb_url, shep
         f"shepherd heartbeat-server: cannot listen on 127.0.0.1:{port}: the port is taken, or the address is not "
         "this host's (setting heartbeat_listen)\n"
     )
+
+
+async def test_a_flood_of_unknown_ids_costs_one_bmdb_read_an_interval_and_a_verification_each(
+    endpoint, agent, bmdb, monkeypatch
+):
+    reads: list[uuid.UUID] = []
+    read = bmdb.agent_public_key
+
+    async def counted(machine_id: uuid.UUID) -> bytes | None:
+        reads.append(machine_id)
+        return await read(machine_id)
+
+    monkeypatch.setattr(bmdb, "agent_public_key", counted)
+    verified: list[bytes] = []
+    signed_by = heartbeat_server._signed_by
+
+    def counted_verification(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
+        verified.append(key)
+        return signed_by(key, request)
+
+    monkeypatch.setattr(heartbeat_server, "_signed_by", counted_verification)
+    stranger = uuid.uuid4()
+    for _ in range(20):
+        error = await rejected(endpoint, signed_heartbeat(str(stranger), agent.key))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert reads == [stranger], "BMDB is asked once an interval about an id it does not know"
+    assert len(verified) == 20 and set(verified) == {heartbeat_server._DUMMY_KEY}, "verified like a wrong key"
+    # The machine's own agent is not held up by the strangers.
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
+    assert await heartbeat_at(bmdb, agent.machine_id) is not None
+
+
+async def test_one_address_sending_too_fast_is_slowed_and_the_log_says_so_once(bmdb, agent, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="shepherd.heartbeat")
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, peer_rate=0.001, peer_burst=3)
+    server, port = build_server(service, "127.0.0.1:0", None)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            codes = []
+            for _ in range(8):
+                try:
+                    await stub.Heartbeat(signed_heartbeat(str(uuid.uuid4()), agent.key))
+                except grpc.aio.AioRpcError as error:
+                    codes.append(error.code())
+    finally:
+        await server.stop(None)
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 5
+    assert (service.results["unauthenticated"], service.results["rate_limited"]) == (3, 5)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("heartbeat rejected")]
+    assert len(lines) == 2, "one line a kind of rejection, however many there are"
+
+
+async def test_more_requests_at_once_than_the_server_takes_are_told_to_come_back(bmdb, agent):
+    class Slow(HeartbeatService):
+        async def check_and_record(self, request_bytes: bytes) -> agent_api_pb2.HeartbeatResponse:
+            await asyncio.sleep(0.5)
+            return await super().check_and_record(request_bytes)
+
+    service = Slow(bmdb, interval=30.0, max_skew=60.0)
+    server, port = build_server(service, "127.0.0.1:0", None, maximum_concurrent_rpcs=2)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            results = await asyncio.gather(
+                *(stub.Heartbeat(signed_heartbeat(str(uuid.uuid4()), agent.key)) for _ in range(6)),
+                return_exceptions=True,
+            )
+    finally:
+        await server.stop(None)
+    codes = sorted(r.code().name for r in results if isinstance(r, grpc.aio.AioRpcError))
+    assert codes.count("RESOURCE_EXHAUSTED") == 4 and codes.count("UNAUTHENTICATED") == 2
