@@ -247,7 +247,7 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
         ) from None
     except (asyncssh.Error, OSError) as error:
         raise TakeoverError(
-            TakeoverFailure.SSH_ERROR, target, f"SSH failed while stopping the agent: {error}"
+            TakeoverFailure.SSH_ERROR, target, f"SSH failed while stopping the agent: {machine_text(str(error))}"
         ) from None
     finally:
         await _close(connection, settings.connect_timeout)
