@@ -7,7 +7,10 @@ heartbeats back to back over a few shared gRPC channels, at most --concurrency
 in flight, for --seconds. The agents run on the server's event loop, so the
 rate is a lower bound of what the server alone takes. Run:
 
-    python -m bench.heartbeats [--machines 1000] [--seconds 20] [--concurrency 200] [--plaintext]
+    python -m bench.heartbeats [--machines 1000] [--seconds 20] [--concurrency 200] [--plaintext] [--refusals 1000]
+
+Then it times refusals one at a time: a wrong key on a real id against an
+unknown id, which must not be told apart.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
         cpu, pg_after = cpu_seconds() - cpu_before, postgres_cpu_seconds(pg_data)
         pg_cpu = None if pg_before is None or pg_after is None else pg_after - pg_before
         report(args, results, elapsed, cpu, pg_cpu, service.results["accepted"])
+        await refusal_timing(calls[0], agents, args.refusals)
         return results
     finally:
         for channel in channels:
@@ -192,6 +196,41 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
         if server is not None:
             await server.stop(grace=None)
         await bmdb.close()
+
+
+async def refusal_timing(heartbeat: Heartbeat, agents: list[Agent], samples: int) -> None:
+    """What a prober with a clock sees: the time to refuse a wrong key on a real id, against an unknown id."""
+    wrong_key = Ed25519PrivateKey.generate()
+    strangers = [str(uuid.uuid4()) for _ in range(10)]
+    kinds: dict[str, Callable[[int], agent_api_pb2.HeartbeatRequest]] = {
+        "a real id, wrong key": lambda n: signed_heartbeat(agents[n % len(agents)].machine_id, wrong_key),
+        "an unknown id, asked before": lambda n: signed_heartbeat(strangers[n % len(strangers)], wrong_key),
+        "an unknown id, new": lambda n: signed_heartbeat(str(uuid.uuid4()), wrong_key),
+    }
+    for stranger in strangers:  # each is then an id the server knows to have no agent
+        await refused(heartbeat, signed_heartbeat(stranger, wrong_key))
+    durations: dict[str, list[float]] = {kind: [] for kind in kinds}
+    # One at a time, the kinds taking turns: each sees the same server, unloaded, as a careful prober would.
+    for n in range(samples):
+        for kind, request in kinds.items():
+            durations[kind].append(await refused(heartbeat, request(n)))
+    baseline = statistics.median(durations["a real id, wrong key"])
+    print(f"refusal time, {samples:,} of each kind one at a time (median; ratio to a wrong key on a real id):")
+    for kind, times in durations.items():
+        median = statistics.median(times)
+        print(f"  {kind:28} {median * 1e6:7,.0f} µs  {median / baseline:.2f}")
+
+
+async def refused(heartbeat: Heartbeat, request: agent_api_pb2.HeartbeatRequest) -> float:
+    start = time.perf_counter()
+    try:
+        await heartbeat(request, timeout=CALL_TIMEOUT)
+    except grpc.aio.AioRpcError as error:
+        if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+            code, details = error.code().name, error.details()
+            raise SystemExit(f"a refusal timed was {code}, not UNAUTHENTICATED: {details}") from None
+        return time.perf_counter() - start
+    raise SystemExit("a heartbeat that should have been refused was accepted")
 
 
 def report(
@@ -244,9 +283,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200, help="heartbeats in flight at most")
     parser.add_argument("--channels", type=int, default=4, help="gRPC channels (connections) the agents share")
     parser.add_argument("--plaintext", action="store_true", help="serve without TLS")
+    parser.add_argument("--refusals", type=int, default=1000, help="refusals timed of each kind, after the load")
     args = parser.parse_args()
-    if min(args.machines, args.concurrency, args.channels) < 1 or args.seconds <= 0:
-        parser.error("--machines, --concurrency, --channels and --seconds must be positive")
+    if min(args.machines, args.concurrency, args.channels, args.refusals) < 1 or args.seconds <= 0:
+        parser.error("--machines, --concurrency, --channels, --refusals and --seconds must be positive")
     try:
         # On Ctrl-C asyncio.run cancels measure(), whose finally stops the server, and raises
         # KeyboardInterrupt here; the with statements then stop PostgreSQL and remove the directory.

@@ -321,3 +321,67 @@ async def test_more_requests_at_once_than_the_server_takes_are_told_to_come_back
         await server.stop(None)
     codes = sorted(r.code().name for r in results if isinstance(r, grpc.aio.AioRpcError))
     assert codes.count("RESOURCE_EXHAUSTED") == 4 and codes.count("UNAUTHENTICATED") == 2
+
+
+async def test_every_refusal_costs_one_check_and_one_read_or_the_time_of_one(bmdb, agent, monkeypatch):
+    """What a prober could time: an unknown id and a wrong key must cost the same, cached or not."""
+    reads: list[uuid.UUID] = []
+    read = bmdb.agent_public_key
+
+    async def slow_read(machine_id: uuid.UUID) -> bytes | None:
+        reads.append(machine_id)
+        await asyncio.sleep(0.05)
+        return await read(machine_id)
+
+    monkeypatch.setattr(bmdb, "agent_public_key", slow_read)
+    verified: list[bytes] = []
+    signed_by = heartbeat_server._signed_by
+
+    def counted_verification(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
+        verified.append(key)
+        return signed_by(key, request)
+
+    monkeypatch.setattr(heartbeat_server, "_signed_by", counted_verification)
+    waits: list[float] = []
+
+    async def recorded_sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, sleep=recorded_sleep)
+    public = agent.key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    async def refused(machine_id: uuid.UUID, key: Ed25519PrivateKey) -> tuple[int, list[bytes], list[float]]:
+        for seen in (reads, verified, waits):
+            seen.clear()
+        with pytest.raises(heartbeat_server.HeartbeatRejected) as caught:
+            await service.check_and_record(signed_heartbeat(str(machine_id), key).SerializeToString())
+        assert caught.value.result == "unauthenticated"
+        return len(reads), list(verified), list(waits)
+
+    await service.check_and_record(signed_heartbeat(str(agent.machine_id), agent.key).SerializeToString())
+    assert await refused(agent.machine_id, Ed25519PrivateKey.generate()) == (1, [public], []), (
+        "a wrong key on a real id: its cached key checked, BMDB read, and no second check of the same key"
+    )
+    stranger = uuid.uuid4()
+    assert await refused(stranger, agent.key) == (1, [heartbeat_server._DUMMY_KEY], [])
+    reads_, verified_, waits_ = await refused(stranger, agent.key)
+    assert (reads_, verified_) == (0, [heartbeat_server._DUMMY_KEY]), "not read again, still checked"
+    assert waits_ == [service.key_read_time.seconds] and service.key_read_time.seconds >= 0.05, (
+        "answered after as long as a BMDB read takes"
+    )
+
+
+async def test_a_stand_in_asks_less_when_its_waits_last_longer_than_asked():
+    asked: list[float] = []
+
+    async def late_sleep(seconds: float) -> None:
+        asked.append(seconds)
+        await asyncio.sleep(seconds + 0.002)
+
+    stand_in = heartbeat_server.StandIn(late_sleep)
+    stand_in.add(0.004)
+    for _ in range(40):
+        await stand_in.wait()
+    assert asked[0] == 0.004
+    # Every wait lasted at least 2 ms longer than asked, so the average overshoot is at least 72% of that.
+    assert asked[-1] < 0.004 - 0.002 * 0.72
