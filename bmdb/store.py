@@ -7,13 +7,15 @@ statements: the fleet scale is 100,000 machines.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import DateTime, String, cast, delete, func, insert, literal, or_, select, update
+import psycopg
+from sqlalchemy import String, cast, delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -43,6 +45,37 @@ class HostKeyPinned(Exception):
     def __init__(self, machine_id: uuid.UUID, pinned: str) -> None:
         super().__init__(f"machine {machine_id} has another host key pinned")
         self.pinned = pinned
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One agent heartbeat to record: whose, signed by which agent key, sent when by the agent's clock."""
+
+    machine_id: uuid.UUID
+    agent_public_key: bytes
+    sent_at: datetime
+
+
+class HeartbeatsNotRecorded(Exception):
+    """BMDB failed while writing heartbeats; none of the statement's heartbeats was recorded."""
+
+
+# The conditional upsert of each heartbeat, over arrays: only a row whose agent key still matches is written, and
+# only if it is newer. Plain SQL, prepared once on the heartbeat connection: it runs thousands of times a second.
+_RECORD_HEARTBEATS = """
+    INSERT INTO machine_agent_heartbeat AS last (machine_id, agent_heartbeat_at, agent_sent_at)
+    SELECT incoming.machine_id, now(), incoming.sent_at
+    FROM unnest(%(machine_ids)s::uuid[], %(keys)s::bytea[], %(sent_at)s::timestamptz[])
+        AS incoming (machine_id, agent_public_key, sent_at)
+    JOIN machine_agent_started AS started
+        ON started.machine_id = incoming.machine_id AND started.agent_public_key = incoming.agent_public_key
+    ORDER BY incoming.machine_id
+    ON CONFLICT (machine_id) DO UPDATE SET agent_heartbeat_at = now(), agent_sent_at = excluded.agent_sent_at
+        WHERE last.agent_sent_at IS NULL OR last.agent_sent_at < excluded.agent_sent_at
+    RETURNING last.machine_id
+"""
+# Seconds to wait for the heartbeat connection to open before a heartbeat is answered "unavailable".
+HEARTBEAT_CONNECT_TIMEOUT = 10
 
 
 @dataclass(frozen=True)
@@ -164,6 +197,12 @@ OPERATOR_ACTION_KINDS = (
 )
 
 
+def libpq_url(url: str) -> str:
+    """The ``postgresql://`` URL libpq takes, for a URL in SQLAlchemy's form too."""
+    scheme, separator, rest = url.partition("://")
+    return f"postgresql://{rest}" if separator and scheme in ("postgresql+psycopg", "postgres") else url
+
+
 def sqlalchemy_url(url: str) -> str:
     """The SQLAlchemy URL for a ``postgresql://`` URL, with the psycopg 3 driver."""
     if url.startswith("postgresql://"):
@@ -178,11 +217,18 @@ class BMDB:
 
     def __init__(self, url: str, *, pool_size: int = 10) -> None:
         self.url = url
+        # Heartbeats have a connection of their own, outside the pool: in autocommit, a statement is one round trip,
+        # with no checkout, ping or transaction block around it.
+        self._heartbeat_connection: psycopg.AsyncConnection[Any] | None = None
+        self._heartbeat_lock = asyncio.Lock()
         self.engine: AsyncEngine = create_async_engine(
             sqlalchemy_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
         )
 
     async def close(self) -> None:
+        if self._heartbeat_connection is not None:
+            await self._heartbeat_connection.close()
+            self._heartbeat_connection = None
         await self.engine.dispose()
 
     async def ping(self) -> None:
@@ -435,32 +481,55 @@ class BMDB:
             )
             return None if key is None else bytes(key)
 
+    async def agent_public_keys(self, limit: int) -> dict[uuid.UUID, bytes]:
+        """The keys of running agents, at most `limit`, those heartbeating most recently first."""
+        query = (
+            select(machine_agent_started.c.machine_id, machine_agent_started.c.agent_public_key)
+            .outerjoin(
+                machine_agent_heartbeat, machine_agent_heartbeat.c.machine_id == machine_agent_started.c.machine_id
+            )
+            .order_by(machine_agent_heartbeat.c.agent_heartbeat_at.desc().nulls_last())
+            .limit(limit)
+        )
+        async with self.engine.connect() as conn:
+            return {machine_id: bytes(key) for machine_id, key in await conn.execute(query)}
+
     async def record_heartbeat(self, machine_id: uuid.UUID, agent_public_key: bytes, sent_at: datetime) -> bool:
         """Record a heartbeat of the agent with this key, unless one sent later was recorded already.
 
-        One statement: the agent must still be the one with this key, and
-        sent_at must be newer than the last accepted one. False means the
-        heartbeat is stale or replayed, or the agent was replaced meanwhile.
+        False means the heartbeat is stale or replayed, or the agent was
+        replaced meanwhile.
         """
-        started = select(
-            machine_agent_started.c.machine_id, func.now(), literal(sent_at, DateTime(timezone=True))
-        ).where(
-            machine_agent_started.c.machine_id == machine_id,
-            machine_agent_started.c.agent_public_key == agent_public_key,
-        )
-        insertion = pg_insert(machine_agent_heartbeat).from_select(
-            ["machine_id", "agent_heartbeat_at", "agent_sent_at"], started
-        )
-        statement = insertion.on_conflict_do_update(
-            index_elements=[machine_agent_heartbeat.c.machine_id],
-            set_={"agent_heartbeat_at": func.now(), "agent_sent_at": insertion.excluded.agent_sent_at},
-            where=or_(
-                machine_agent_heartbeat.c.agent_sent_at.is_(None),
-                machine_agent_heartbeat.c.agent_sent_at < insertion.excluded.agent_sent_at,
-            ),
-        ).returning(machine_agent_heartbeat.c.machine_id)
-        async with self.engine.begin() as conn:
-            return (await conn.execute(statement)).first() is not None
+        return machine_id in await self.record_heartbeats([Heartbeat(machine_id, agent_public_key, sent_at)])
+
+    async def record_heartbeats(self, heartbeats: Sequence[Heartbeat]) -> set[uuid.UUID]:
+        """Record many machines' heartbeats in one statement; the machines whose heartbeat was recorded.
+
+        Each is checked on its own, as if alone: the agent must still be the
+        one with this key, and sent_at must be newer than the last accepted
+        one. A machine may appear once.
+        """
+        if not heartbeats:
+            return set()
+        # Rows are locked in machine order, so two statements that share machines cannot deadlock.
+        ordered = sorted(heartbeats, key=lambda heartbeat: heartbeat.machine_id)
+        parameters = {
+            "machine_ids": [heartbeat.machine_id for heartbeat in ordered],
+            "keys": [heartbeat.agent_public_key for heartbeat in ordered],
+            "sent_at": [heartbeat.sent_at for heartbeat in ordered],
+        }
+        async with self._heartbeat_lock:
+            try:
+                if self._heartbeat_connection is None or self._heartbeat_connection.closed:
+                    self._heartbeat_connection = await psycopg.AsyncConnection.connect(
+                        libpq_url(self.url), autocommit=True, connect_timeout=HEARTBEAT_CONNECT_TIMEOUT
+                    )
+                cursor = await self._heartbeat_connection.execute(_RECORD_HEARTBEATS, parameters, prepare=True)
+                return {row[0] for row in await cursor.fetchall()}
+            except psycopg.Error as error:
+                if self._heartbeat_connection is not None and self._heartbeat_connection.broken:
+                    await self._heartbeat_connection.close()
+                raise HeartbeatsNotRecorded(f"BMDB failed while recording heartbeats: {error}") from error
 
     async def record_provider_listing(
         self, provider: str, missing: Sequence[str], back: Sequence[str]

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import NoReturn
@@ -27,8 +28,9 @@ from google.protobuf.message import DecodeError
 from sqlalchemy.exc import SQLAlchemyError
 from temporalio.common import MetricMeter
 
+from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.migrate import open_bmdb
-from bmdb.store import BMDB
+from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.metrics import meter_of, metrics_runtime
 from foundation.settings import Settings
 from proto import SERVER_TIME_METADATA, agent_api_pb2
@@ -92,6 +94,8 @@ class HeartbeatService:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.bmdb = bmdb
+        self.batcher = HeartbeatBatcher(bmdb)
+        self._signature_checks = SignatureChecks()
         # An id known to have no agent key is answered after as long as reading one from BMDB takes.
         self.key_read_time = StandIn(sleep)
         # A heartbeat then costs one BMDB statement, not two. A cached key
@@ -113,6 +117,17 @@ class HeartbeatService:
         # Requests by result: in the log at shutdown and in /metrics.
         self.results: Counter[str] = Counter()
         self._requests = meter.create_counter("shepherd_heartbeat_requests_total", "Heartbeat requests, by result")
+
+    async def load_keys(self) -> int:
+        """Fill the key cache with the running agents' keys, so a server just started reads BMDB once, not once a
+        machine; how many were loaded."""
+        keys = await self.bmdb.agent_public_keys(self._key_cache_size)
+        self._keys.update(keys)
+        return len(keys)
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        self._signature_checks.close()
 
     def _count(self, result: str) -> None:
         self.results[result] += 1
@@ -163,13 +178,13 @@ class HeartbeatService:
         sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
         try:
             key = await self._signing_key(machine_id, request)
-            recorded = await self.bmdb.record_heartbeat(machine_id, key, sent_at)
+            recorded = await self.batcher.record(Heartbeat(machine_id, key, sent_at))
             if not recorded and await self.bmdb.agent_public_key(machine_id) != key:
                 # The agent was replaced or forgotten (recovery) since its key was cached.
                 self._keys.pop(machine_id, None)
                 _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
-        except SQLAlchemyError as error:
-            log.error("BMDB failed while recording a heartbeat: %s", error)
+        except (SQLAlchemyError, HeartbeatsNotRecorded) as error:
+            self._log_now_and_then(logging.ERROR, "bmdb", "BMDB failed while recording a heartbeat: %s", error)
             _reject(grpc.StatusCode.UNAVAILABLE, "unavailable", "BMDB is unavailable; try again")
         if not recorded:
             _reject(
@@ -191,16 +206,19 @@ class HeartbeatService:
         return allowed
 
     def _log_rejection(self, result: str, peer: str) -> None:
-        """One line per kind of rejection every REJECTION_LOG_EVERY seconds, with how many it stands for: a flood
-        must not flood the log too (every one is counted in shepherd_heartbeat_requests_total)."""
+        self._log_now_and_then(logging.INFO, result, "heartbeat rejected (%s) from %s", result, peer)
+
+    def _log_now_and_then(self, level: int, kind: str, message: str, *args: object) -> None:
+        """One line per kind every REJECTION_LOG_EVERY seconds, with how many it stands for: a flood of junk or a
+        BMDB outage must not flood the log too (every rejection is counted in shepherd_heartbeat_requests_total)."""
         now = time.monotonic()
-        last, unlogged = self._rejections_logged.get(result, (float("-inf"), 0))
+        last, unlogged = self._rejections_logged.get(kind, (float("-inf"), 0))
         if now - last < REJECTION_LOG_EVERY:
-            self._rejections_logged[result] = (last, unlogged + 1)
+            self._rejections_logged[kind] = (last, unlogged + 1)
             return
-        self._rejections_logged[result] = (now, 0)
+        self._rejections_logged[kind] = (now, 0)
         more = f"; {unlogged} more since the last line" if unlogged else ""
-        log.info("heartbeat rejected (%s) from %s%s", result, peer, more)
+        log.log(level, message + "%s", *args, more)
 
     def _note_skew(self, machine_id: uuid.UUID, behind_ms: int) -> None:
         """Log a machine's clock skew once (a bounded memory of the machines logged): its agent corrects it."""
@@ -226,7 +244,7 @@ class HeartbeatService:
         how long the answer takes.
         """
         cached = self._keys.get(machine_id)
-        if cached is not None and _signed_by(cached, request):
+        if cached is not None and await self._signature_checks.signed_by(cached, request):
             self._keys.move_to_end(machine_id)
             return cached
         now = time.monotonic()
@@ -241,10 +259,10 @@ class HeartbeatService:
             self._remember_unknown(machine_id, None if key is not None else now + self.interval_ms / 1000)
         if key is None:
             # Checked against a dummy key, for the time of a real check; the answer is no whatever it says.
-            _signed_by(_DUMMY_KEY, request)
+            await self._signature_checks.signed_by(_DUMMY_KEY, request)
             _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
         # The key BMDB holds is the cached one that did not verify: no second check needed to say no.
-        if key == cached or not _signed_by(key, request):
+        if key == cached or not await self._signature_checks.signed_by(key, request):
             _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
         self._keys[machine_id] = key
         self._keys.move_to_end(machine_id)
@@ -293,6 +311,55 @@ def _host_of(peer: str) -> str:
     """The address of a gRPC peer ("ipv4:10.0.0.7:51234", "ipv6:[::1]:51234"), without its port."""
     address = peer.partition(":")[2] or peer
     return address.rpartition(":")[0] or address
+
+
+class SignatureChecks:
+    """Checks signatures in a thread of its own, those that arrive meanwhile together in one hop.
+
+    An ed25519 check lets go of the GIL, so the checks run beside the event
+    loop, on another core where there is one, while gRPC and BMDB go on.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="signature-checks")
+        self._waiting: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]] = []
+        self._checking: asyncio.Task[None] | None = None
+
+    async def signed_by(self, key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
+        outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting.append((key, request, outcome))
+        if self._checking is None:
+            self._checking = asyncio.create_task(self._check_while_waiting())
+        return await outcome
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _check_while_waiting(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, []
+                try:
+                    verdicts = await loop.run_in_executor(self._executor, _check_all, batch)
+                except asyncio.CancelledError:
+                    for _, _, outcome in batch:
+                        outcome.cancel()
+                    raise
+                except Exception as error:  # a fault of ours: its callers hear it rather than wait forever
+                    for _, _, outcome in batch:
+                        if not outcome.done():
+                            outcome.set_exception(error)
+                    raise
+                for (_, _, outcome), verdict in zip(batch, verdicts, strict=True):
+                    if not outcome.done():
+                        outcome.set_result(verdict)
+        finally:
+            self._checking = None
+
+
+def _check_all(batch: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]]) -> list[bool]:
+    return [_signed_by(key, request) for key, request, _ in batch]
 
 
 def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
@@ -370,11 +437,18 @@ async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: a
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loaded = await service.load_keys()
     await server.start()
-    log.info("heartbeat server on %s (%s)", settings.heartbeat_listen, "plain text" if tls is None else "TLS")
+    log.info(
+        "heartbeat server on %s (%s), %d agent keys loaded",
+        settings.heartbeat_listen,
+        "plain text" if tls is None else "TLS",
+        loaded,
+    )
     try:
         await stop.wait()
     finally:
         await server.stop(grace=5)
+        await service.close()
         await bmdb.close()
         log.info("heartbeat server stopped; requests by result: %s", dict(service.results))
