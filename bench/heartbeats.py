@@ -16,7 +16,10 @@ Then it times refusals one at a time: a wrong key on a real id against an
 unknown id, which must not be told apart. Run:
 
     python -m bench.heartbeats [--machines 100000] [--seconds 20] [--concurrency 200] [--channels 8]
-                               [--plaintext] [--refusals 1000]
+                               [--plaintext] [--processes 1] [--refusals 1000]
+
+With --processes N above 1 the server is `shepherd heartbeat-server --processes N`
+instead, its processes' CPU summed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import json
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -210,10 +214,13 @@ async def refusal_timing(heartbeat: Heartbeat, machine_ids: list[str], samples: 
         for kind, request in kinds.items():
             durations[kind].append(await refused(heartbeat, request(n)))
     baseline = statistics.median(durations["a real id, wrong key"])
-    print(f"refusal time, {samples:,} of each kind one at a time (median; ratio to a wrong key on a real id):")
+    print(f"refusal time, {samples:,} of each kind one at a time (median, its ratio to a wrong key on a real id;")
+    print("  10th and 90th percentiles):")
     for kind, times in durations.items():
         median = statistics.median(times)
-        print(f"  {kind:28} {median * 1e6:7,.0f} µs  {median / baseline:.2f}")
+        deciles = statistics.quantiles(times, n=10)
+        spread = f"{deciles[0] * 1e6:,.0f}-{deciles[-1] * 1e6:,.0f} µs"
+        print(f"  {kind:28} {median * 1e6:7,.0f} µs  {median / baseline:.2f}   {spread}")
 
 
 async def refused(heartbeat: Heartbeat, request: agent_api_pb2.HeartbeatRequest) -> float:
@@ -228,6 +235,106 @@ async def refused(heartbeat: Heartbeat, request: agent_api_pb2.HeartbeatRequest)
     raise SystemExit("a heartbeat that should have been refused was accepted")
 
 
+class InProcessServer:
+    """The heartbeat server in this process, as one `shepherd heartbeat-server` process runs it."""
+
+    def __init__(self, url: str) -> None:
+        self.bmdb = BMDB(url)
+        self.service = HeartbeatService(
+            self.bmdb, interval=DEFAULTS.heartbeat_interval, max_skew=DEFAULTS.heartbeat_max_skew
+        )
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self, tls: tuple[Path, Path] | None) -> str:
+        loaded_at = time.perf_counter()
+        loaded = await self.service.load_keys()
+        print(f"the server loaded {loaded:,} agent keys in {time.perf_counter() - loaded_at:.1f} s")
+        self.server, port = build_server(self.service, "127.0.0.1:0", tls)
+        await self.server.start()
+        return f"127.0.0.1:{port}"
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds()
+
+    def batching(self) -> str:
+        batcher = self.service.batcher
+        return f"{batcher.statements:,}, {batcher.heartbeats / max(batcher.statements, 1):.1f} heartbeats each"
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+        await self.service.close()
+        await self.bmdb.close()
+
+
+class ServerProcesses:
+    """`shepherd heartbeat-server --processes N`, as an operator starts it; the CPU of all its processes."""
+
+    def __init__(self, url: str, processes: int, tmp: Path) -> None:
+        self.url, self.processes, self.tmp = url, processes, tmp
+        self.command: asyncio.subprocess.Process | None = None
+
+    async def start(self, tls: tuple[Path, Path] | None) -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            target = f"127.0.0.1:{probe.getsockname()[1]}"
+        env = {
+            **os.environ,
+            "SHEPHERD_DATABASE_URL": self.url,
+            "SHEPHERD_STATE_DIR": str(self.tmp / "state"),
+            "SHEPHERD_METRICS_LISTEN": "",
+            "SHEPHERD_HEARTBEAT_PEER_RATE": "0",  # one address sends everything here
+        }
+        if tls is None:
+            env["SHEPHERD_HEARTBEAT_PLAINTEXT"] = "true"
+        else:
+            env["SHEPHERD_HEARTBEAT_TLS_CERTIFICATE_PATH"], env["SHEPHERD_HEARTBEAT_TLS_KEY_PATH"] = map(str, tls)
+        command = [sys.executable, "-m", "shepherd", "heartbeat-server", "--processes", str(self.processes)]
+        self.command = await asyncio.create_subprocess_exec(*command, "--listen", target, env=env)
+        while len(self._pids()) < self.processes + 1 or not await self._listening(target):
+            if self.command.returncode is not None:
+                raise SystemExit("shepherd heartbeat-server stopped")
+            await asyncio.sleep(0.5)
+        print(f"shepherd heartbeat-server --processes {self.processes} listens on {target}")
+        return target
+
+    def cpu_seconds(self) -> float:
+        return sum(process_cpu_seconds(pid) for pid in self._pids())
+
+    def batching(self) -> str:
+        return "in the server processes, not seen from here"
+
+    async def stop(self) -> None:
+        if self.command is not None and self.command.returncode is None:
+            self.command.terminate()
+            await self.command.wait()
+
+    def _pids(self) -> list[int]:
+        assert self.command is not None
+        parent = self.command.pid
+        children = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if (
+                    entry.name.isdigit()
+                    and int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]) == parent
+                ):
+                    children.append(int(entry.name))
+            except OSError:
+                continue
+        return [parent, *children]
+
+    @staticmethod
+    async def _listening(target: str) -> bool:
+        host, port = target.rsplit(":", 1)
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return False
+        writer.close()
+        return True
+
+
 async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) -> bool:
     """Run the baseline and the server under load, print both; False if any heartbeat was rejected."""
     setup = time.perf_counter()
@@ -235,36 +342,29 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
     print(f"registered {len(agents):,} machines in {time.perf_counter() - setup:.1f} s")
     raw_single = await raw_psycopg_rate(url, agents, 1)
     raw_many = await raw_psycopg_rate(url, agents, RAW_BATCH)
-    bmdb = BMDB(url)
-    service = HeartbeatService(bmdb, interval=DEFAULTS.heartbeat_interval, max_skew=DEFAULTS.heartbeat_max_skew)
-    server: grpc.aio.Server | None = None
+    server = InProcessServer(url) if args.processes == 1 else ServerProcesses(url, args.processes, tmp)
     try:
-        loaded_at = time.perf_counter()
-        loaded = await service.load_keys()
-        print(f"the server loaded {loaded:,} agent keys in {time.perf_counter() - loaded_at:.1f} s")
         tls = None
         ca_certificate = None
         if not args.plaintext:
             certificates = local_certificates(tmp / "tls")
             tls = (certificates.server_certificate, certificates.server_key)
             ca_certificate = certificates.ca_certificate
-        server, port = build_server(service, "127.0.0.1:0", tls)
-        await server.start()
-        target = f"127.0.0.1:{port}"
+        target = await server.start(tls)
         load = await start_load(args, target, ca_certificate)
-        cpu_before, pg_before = cpu_seconds(), postgres_cpu_seconds(pg_data)
+        cpu_before, pg_before = server.cpu_seconds(), postgres_cpu_seconds(pg_data)
         load_before = process_cpu_seconds(load.pid)
         assert load.stdin is not None and load.stdout is not None
         load.stdin.write(b"go\n")
         await load.stdin.drain()
         answer = await load.stdout.readline()
-        cpu, pg_after = cpu_seconds() - cpu_before, postgres_cpu_seconds(pg_data)
+        cpu, pg_after = server.cpu_seconds() - cpu_before, postgres_cpu_seconds(pg_data)
         load_cpu = process_cpu_seconds(load.pid) - load_before
         if await load.wait() != 0 or not answer:
             raise SystemExit("the load process failed")
         seen = LoadSeen(**json.loads(answer))
         pg_cpu = None if pg_before is None or pg_after is None else pg_after - pg_before
-        report(args, seen, cpu, pg_cpu, load_cpu, service, raw_single, raw_many)
+        report(args, seen, cpu, pg_cpu, load_cpu, server.batching(), raw_single, raw_many)
         channel = open_channel(target, ca_certificate)
         try:
             calls = agent_api_pb2_grpc.AgentCallbackStub(channel).Heartbeat
@@ -273,10 +373,7 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
             await channel.close()
         return not seen.rejected
     finally:
-        if server is not None:
-            await server.stop(grace=None)
-        await service.close()
-        await bmdb.close()
+        await server.stop()
 
 
 async def start_load(args: argparse.Namespace, target: str, ca_certificate: Path | None) -> asyncio.subprocess.Process:
@@ -305,7 +402,7 @@ def report(
     cpu: float,
     pg_cpu: float | None,
     load_cpu: float,
-    service: HeartbeatService,
+    batching: str,
     raw_single: float,
     raw_many: float,
 ) -> None:
@@ -319,7 +416,8 @@ def report(
     print(f"  one a statement        {raw_single:9,.0f} heartbeats/s")
     print(f"  {RAW_BATCH} a statement        {raw_many:9,.0f} heartbeats/s")
     print(
-        f"heartbeat server, {args.machines:,} machines, {transport}, load from another process: at most"
+        f"heartbeat server, {args.processes} process{'es' if args.processes > 1 else ''}, {args.machines:,} machines,"
+        f" {transport}, load from another process: at most"
         f" {args.concurrency} in flight over {args.channels} connections, {elapsed:.1f} s:"
     )
     print(
@@ -329,10 +427,9 @@ def report(
     print(f"  latency      p50 {seen.p50 * 1000:.1f} ms, p99 {seen.p99 * 1000:.1f} ms")
     rejected = ", ".join(f"{code} {n}" for code, n in sorted(seen.rejected.items())) or "none"
     print(f"  rejected     {sum(seen.rejected.values())} ({rejected})")
-    batcher = service.batcher
-    each = batcher.heartbeats / max(batcher.statements, 1)
-    print(f"  statements   {batcher.statements:,}, {each:.1f} heartbeats each")
-    print(f"  peak RSS     {peak_rss_mib:,.0f} MiB (the server, after loading every key)")
+    print(f"  statements   {batching}")
+    if args.processes == 1:
+        print(f"  peak RSS     {peak_rss_mib:,.0f} MiB (the server, after loading every key)")
     per = max(accepted, 1)
     print(f"  CPU          server {cpu / elapsed:.0%} of a core, {cpu / per * 1e6:,.0f} µs a heartbeat")
     if pg_cpu is not None:
@@ -356,12 +453,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=200, help="heartbeats in flight at most")
     parser.add_argument("--channels", type=int, default=8, help="gRPC connections the agents share")
     parser.add_argument("--plaintext", action="store_true", help="serve without TLS")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="over 1: run shepherd heartbeat-server --processes N instead"
+    )
     parser.add_argument("--refusals", type=int, default=1000, help="refusals timed of each kind, after the load")
     parser.add_argument(
         "--expected-rate", type=int, default=8000, help="heartbeats a second to sign beforehand, at most"
     )
     args = parser.parse_args()
-    if min(args.machines, args.concurrency, args.channels, args.refusals, args.expected_rate) < 1 or args.seconds <= 0:
+    if (
+        min(args.machines, args.concurrency, args.channels, args.refusals, args.expected_rate, args.processes) < 1
+        or args.seconds <= 0
+    ):
         parser.error("every number must be positive")
     try:
         # On Ctrl-C asyncio.run cancels measure(), whose finally stops the server, and raises

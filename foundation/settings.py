@@ -158,6 +158,9 @@ class Settings:
     heartbeat_peer_rate: float = _setting(
         5000.0, "Heartbeats one address may send a second, in bursts of twice that (0: no limit)"
     )
+    heartbeat_processes: int = _setting(
+        1, "Heartbeat server processes sharing its port, for hosts with more cores; process i serves /metrics on port+i"
+    )
 
     # Lifecycle back-offs (the seed's defaults)
     agent_start_backoff_initial: float = _duration(300.0, "First wait after a failed agent start")
@@ -250,6 +253,7 @@ class Settings:
             ("recovery_hold_min_machines", 1),
             ("recovery_budget", 1),
             ("heartbeat_peer_rate", 0),
+            ("heartbeat_processes", 1),
         ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")

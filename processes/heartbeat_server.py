@@ -9,8 +9,13 @@ only: the fleet watchdog reads them there, and no workflow is woken.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import multiprocessing
+import multiprocessing.connection
 import signal
+import socket
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -31,8 +36,11 @@ from temporalio.common import MetricMeter
 from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
+from foundation.logs import configure_logging
 from foundation.metrics import meter_of, metrics_runtime
-from foundation.settings import Settings
+from foundation.precise_sleep import precise_sleep
+from foundation.settings import Settings, check_listen_address
+from foundation.startup import StartupError
 from proto import SERVER_TIME_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 
@@ -56,6 +64,9 @@ MAX_CONCURRENT_RPCS = 2_000
 REJECTION_LOG_EVERY = 10.0
 # How much each new duration moves a StandIn's averages.
 STAND_IN_WEIGHT = 1 / 32
+# How often serve_in_processes looks at its processes, and how long each may take to stop.
+PROCESS_POLL = 1.0
+PROCESS_STOP_TIMEOUT = 15.0
 # Verified when a machine has no agent key, so an unknown id costs what a wrong key does.
 _DUMMY_KEY = Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
@@ -91,7 +102,7 @@ class HeartbeatService:
         key_cache_size: int = KEY_CACHE_SIZE,
         peer_rate: float = 0.0,
         peer_burst: float = 0.0,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        sleep: Callable[[float], Awaitable[None]] = precise_sleep,
     ) -> None:
         self.bmdb = bmdb
         self.batcher = HeartbeatBatcher(bmdb)
@@ -284,11 +295,13 @@ class StandIn:
     """Waits as long as an operation takes on average, for answers that skip it but must not be told apart.
 
     Both averages move: the operation's duration, and how much longer than asked
-    a wait lasts (asyncio rounds an idle loop's timers up to the millisecond), so
-    the waits last, on average, what the operation does.
+    a wait lasts (waking takes its time too), so the waits last what the
+    operation does. The waits are precise below the millisecond, where
+    asyncio's own timers are not: waits that were often too short and sometimes
+    a millisecond too long would match on average and still be told apart.
     """
 
-    def __init__(self, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    def __init__(self, sleep: Callable[[float], Awaitable[None]] = precise_sleep) -> None:
         self._sleep = sleep
         self.seconds = 0.0
         self._overshoot = 0.0
@@ -378,15 +391,19 @@ def build_server(
     tls: tuple[Path, Path] | None,
     *,
     maximum_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+    share_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
-    """The gRPC server and the port it bound; tls is (certificate chain, private key) PEM files."""
+    """The gRPC server and the port it bound; tls is (certificate chain, private key) PEM files.
+
+    share_port binds with SO_REUSEPORT, for several processes of ours on one port (serve_in_processes).
+    """
     server = grpc.aio.server(
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", MAX_REQUEST_SIZE),
             # gRPC binds with SO_REUSEPORT by default: a second server on the same port would then start
             # silently and take half the agents' connections, and "cannot listen" would never be said.
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if share_port else 0),
         ],
     )
     handler = grpc.unary_unary_rpc_method_handler(
@@ -410,7 +427,9 @@ def build_server(
     return server, port
 
 
-async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: asyncio.Event | None = None) -> None:
+async def run_heartbeat_server(
+    settings: Settings, database_url: str, *, stop: asyncio.Event | None = None, share_port: bool = False
+) -> None:
     """Serve heartbeats until SIGTERM/SIGINT (or stop is set)."""
     runtime = metrics_runtime(settings.metrics_listen, "heartbeat-server")
     bmdb = await open_bmdb(database_url)
@@ -429,7 +448,7 @@ async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: a
         peer_burst=2 * settings.heartbeat_peer_rate,
     )
     try:
-        server, _ = build_server(service, settings.heartbeat_listen, tls)
+        server, _ = build_server(service, settings.heartbeat_listen, tls, share_port=share_port)
     except OSError as error:
         await bmdb.close()
         raise OSError(f"{error} (setting heartbeat_listen)") from None
@@ -452,3 +471,87 @@ async def run_heartbeat_server(settings: Settings, database_url: str, *, stop: a
         await service.close()
         await bmdb.close()
         log.info("heartbeat server stopped; requests by result: %s", dict(service.results))
+
+
+class HeartbeatProcessStopped(Exception):
+    """One of several heartbeat server processes stopped on its own; the others were stopped too."""
+
+
+def serve_in_processes(settings: Settings, database_url: str, processes: int, *, verbose: bool = False) -> None:
+    """Serve heartbeats from several processes on one port until SIGTERM/SIGINT; the kernel spreads the agents'
+    connections over them (SO_REUSEPORT). Process i serves /metrics on metrics_listen's port + i.
+
+    Raises OSError when the port is taken (by anything but these processes), and HeartbeatProcessStopped when one
+    of them stops on its own (its log says why).
+    """
+    _check_port_free(settings.heartbeat_listen)
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(
+            target=_serve_one,
+            args=(_settings_of_process(settings, number), database_url, verbose),
+            name=f"heartbeat-server-{number}",
+        )
+        for number in range(processes)
+    ]
+    stop = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for child in children:
+            child.start()
+        log.info("heartbeat server: %d processes share %s", processes, settings.heartbeat_listen)
+        while not stop.is_set():
+            multiprocessing.connection.wait([child.sentinel for child in children], timeout=PROCESS_POLL)
+            stopped = [child for child in children if child.exitcode is not None]
+            if stopped and not stop.is_set():
+                raise HeartbeatProcessStopped(
+                    f"heartbeat server process {stopped[0].name} stopped with status {stopped[0].exitcode}"
+                    " (its log says why); the others were stopped too"
+                )
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.terminate()  # SIGTERM: each stops its server gracefully
+        for child in children:
+            child.join(PROCESS_STOP_TIMEOUT)
+            if child.is_alive():
+                child.kill()
+                child.join()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _settings_of_process(settings: Settings, number: int) -> Settings:
+    if not settings.metrics_listen:
+        return settings
+    host, port = check_listen_address("metrics_listen", settings.metrics_listen)
+    return dataclasses.replace(settings, metrics_listen=f"{host}:{port + number}")
+
+
+def _serve_one(settings: Settings, database_url: str, verbose: bool) -> None:
+    """One of serve_in_processes' processes (started fresh, so it sets up its own logging)."""
+    configure_logging(settings.log_format, verbose=verbose)
+    try:
+        asyncio.run(run_heartbeat_server(settings, database_url, share_port=True))
+    except (OSError, SQLAlchemyError, StartupError) as error:
+        log.error("heartbeat server process %s cannot serve: %s", multiprocessing.current_process().name, error)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reaches every process of the group; the server stopped on it
+
+
+def _check_port_free(listen: str) -> None:
+    """Refuse a port something listens on already: sharing it (SO_REUSEPORT) would not tell."""
+    host, port = check_listen_address("heartbeat_listen", listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen} from several processes: they need one fixed port")
+    family, kind, protocol, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, protocol) as probe:
+        # As gRPC binds: connections of a server stopped a moment ago do not count as taking the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError:
+            raise OSError(f"cannot listen on {listen}: the port is taken, or the address is not this host's") from None

@@ -49,6 +49,7 @@ _SETTING_FLAGS = (
     "state_dir",
     "task_queue",
     "heartbeat_listen",
+    "heartbeat_processes",
 )
 
 
