@@ -153,6 +153,13 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def process_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -256,6 +263,10 @@ class InProcessServer:
     def cpu_seconds(self) -> float:
         return cpu_seconds()
 
+    def peak_rss(self) -> str:
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        return f"{peak_mib:,.0f} MiB (this process: the server, and the baseline before it)"
+
     def batching(self) -> str:
         batcher = self.service.batcher
         return f"{batcher.statements:,}, {batcher.heartbeats / max(batcher.statements, 1):.1f} heartbeats each"
@@ -303,6 +314,10 @@ class ServerProcesses:
 
     def batching(self) -> str:
         return "in the server processes, not seen from here"
+
+    def peak_rss(self) -> str:
+        servers = [pid for pid in self._pids()[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        return ", ".join(f"{peak_rss_mib(pid):,.0f}" for pid in servers) + " MiB (each server process)"
 
     async def stop(self) -> None:
         if self.command is not None and self.command.returncode is None:
@@ -364,7 +379,7 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
             raise SystemExit("the load process failed")
         seen = LoadSeen(**json.loads(answer))
         pg_cpu = None if pg_before is None or pg_after is None else pg_after - pg_before
-        report(args, seen, cpu, pg_cpu, load_cpu, server.batching(), raw_single, raw_many)
+        report(args, seen, cpu, pg_cpu, load_cpu, server, raw_single, raw_many)
         channel = open_channel(target, ca_certificate)
         try:
             calls = agent_api_pb2_grpc.AgentCallbackStub(channel).Heartbeat
@@ -402,7 +417,7 @@ def report(
     cpu: float,
     pg_cpu: float | None,
     load_cpu: float,
-    batching: str,
+    server: InProcessServer | ServerProcesses,
     raw_single: float,
     raw_many: float,
 ) -> None:
@@ -410,7 +425,6 @@ def report(
     rate = accepted / elapsed
     needed = 100_000 / DEFAULTS.heartbeat_interval
     sign_us, verify_us = signature_costs()
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     transport = "plain text" if args.plaintext else "TLS"
     print(f"raw psycopg, the same conditional upsert, {RAW_CONNECTIONS} connections, {RAW_SECONDS:.0f} s each:")
     print(f"  one a statement        {raw_single:9,.0f} heartbeats/s")
@@ -427,9 +441,8 @@ def report(
     print(f"  latency      p50 {seen.p50 * 1000:.1f} ms, p99 {seen.p99 * 1000:.1f} ms")
     rejected = ", ".join(f"{code} {n}" for code, n in sorted(seen.rejected.items())) or "none"
     print(f"  rejected     {sum(seen.rejected.values())} ({rejected})")
-    print(f"  statements   {batching}")
-    if args.processes == 1:
-        print(f"  peak RSS     {peak_rss_mib:,.0f} MiB (the server, after loading every key)")
+    print(f"  statements   {server.batching()}")
+    print(f"  peak RSS     {server.peak_rss()}")
     per = max(accepted, 1)
     print(f"  CPU          server {cpu / elapsed:.0%} of a core, {cpu / per * 1e6:,.0f} µs a heartbeat")
     if pg_cpu is not None:
