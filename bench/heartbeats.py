@@ -49,7 +49,7 @@ from agent.heartbeat import signed_heartbeat
 from bench.heartbeat_load import LoadSeen, agent_key, machine_id
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
-from bmdb.store import BMDB
+from bmdb.store import BMDB, RECORD_HEARTBEATS
 from foundation.settings import Settings
 from foundation.tls import local_certificates
 from processes.heartbeat_server import HeartbeatService, build_server
@@ -74,18 +74,8 @@ RAW_UPSERT = """
         WHERE last.agent_sent_at IS NULL OR last.agent_sent_at < excluded.agent_sent_at
     RETURNING last.machine_id
 """
-RAW_UPSERT_MANY = """
-    INSERT INTO machine_agent_heartbeat AS last (machine_id, agent_heartbeat_at, agent_sent_at)
-    SELECT incoming.machine_id, now(), incoming.sent_at
-    FROM unnest(%(machine_ids)s::uuid[], %(keys)s::bytea[], %(sent_at)s::timestamptz[])
-        AS incoming (machine_id, agent_public_key, sent_at)
-    JOIN machine_agent_started AS started
-        ON started.machine_id = incoming.machine_id AND started.agent_public_key = incoming.agent_public_key
-    ORDER BY incoming.machine_id
-    ON CONFLICT (machine_id) DO UPDATE SET agent_heartbeat_at = now(), agent_sent_at = excluded.agent_sent_at
-        WHERE last.agent_sent_at IS NULL OR last.agent_sent_at < excluded.agent_sent_at
-    RETURNING last.machine_id
-"""
+# The server's own statement, many a statement: what the server's batches could reach at most.
+RAW_UPSERT_MANY = RECORD_HEARTBEATS
 
 
 def register(url: str, count: int) -> list[tuple[uuid.UUID, bytes]]:

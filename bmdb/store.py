@@ -62,7 +62,7 @@ class HeartbeatsNotRecorded(Exception):
 
 # The conditional upsert of each heartbeat, over arrays: only a row whose agent key still matches is written, and
 # only if it is newer. Plain SQL, prepared once on the heartbeat connection: it runs thousands of times a second.
-_RECORD_HEARTBEATS = """
+RECORD_HEARTBEATS = """
     INSERT INTO machine_agent_heartbeat AS last (machine_id, agent_heartbeat_at, agent_sent_at)
     SELECT incoming.machine_id, now(), incoming.sent_at
     FROM unnest(%(machine_ids)s::uuid[], %(keys)s::bytea[], %(sent_at)s::timestamptz[])
@@ -524,7 +524,7 @@ class BMDB:
                     self._heartbeat_connection = await psycopg.AsyncConnection.connect(
                         libpq_url(self.url), autocommit=True, connect_timeout=HEARTBEAT_CONNECT_TIMEOUT
                     )
-                cursor = await self._heartbeat_connection.execute(_RECORD_HEARTBEATS, parameters, prepare=True)
+                cursor = await self._heartbeat_connection.execute(RECORD_HEARTBEATS, parameters, prepare=True)
                 return {row[0] for row in await cursor.fetchall()}
             except psycopg.Error as error:
                 if self._heartbeat_connection is not None and self._heartbeat_connection.broken:

@@ -249,25 +249,38 @@ async def test_the_command_says_in_one_line_that_it_cannot_listen(bmdb_url, shep
     )
 
 
+@dataclass
+class Costs:
+    """What the server paid: the machines whose key it read from BMDB, the keys it checked signatures with."""
+
+    reads: list[uuid.UUID]
+    verified: list[bytes]
+
+
+def counted_costs(bmdb: BMDB, monkeypatch: pytest.MonkeyPatch, read_delay: float = 0.0) -> Costs:
+    costs = Costs([], [])
+    read = bmdb.agent_public_key
+    signed_by = heartbeat_server._signed_by
+
+    async def counted_read(machine_id: uuid.UUID) -> bytes | None:
+        costs.reads.append(machine_id)
+        await asyncio.sleep(read_delay)
+        return await read(machine_id)
+
+    def counted_verification(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
+        costs.verified.append(key)
+        return signed_by(key, request)
+
+    monkeypatch.setattr(bmdb, "agent_public_key", counted_read)
+    monkeypatch.setattr(heartbeat_server, "_signed_by", counted_verification)
+    return costs
+
+
 async def test_a_flood_of_unknown_ids_costs_one_bmdb_read_an_interval_and_a_verification_each(
     endpoint, agent, bmdb, monkeypatch
 ):
-    reads: list[uuid.UUID] = []
-    read = bmdb.agent_public_key
-
-    async def counted(machine_id: uuid.UUID) -> bytes | None:
-        reads.append(machine_id)
-        return await read(machine_id)
-
-    monkeypatch.setattr(bmdb, "agent_public_key", counted)
-    verified: list[bytes] = []
-    signed_by = heartbeat_server._signed_by
-
-    def counted_verification(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
-        verified.append(key)
-        return signed_by(key, request)
-
-    monkeypatch.setattr(heartbeat_server, "_signed_by", counted_verification)
+    costs = counted_costs(bmdb, monkeypatch)
+    reads, verified = costs.reads, costs.verified
     stranger = uuid.uuid4()
     for _ in range(20):
         error = await rejected(endpoint, signed_heartbeat(str(stranger), agent.key))
@@ -325,23 +338,8 @@ async def test_more_requests_at_once_than_the_server_takes_are_told_to_come_back
 
 async def test_every_refusal_costs_one_check_and_one_read_or_the_time_of_one(bmdb, agent, monkeypatch):
     """What a prober could time: an unknown id and a wrong key must cost the same, cached or not."""
-    reads: list[uuid.UUID] = []
-    read = bmdb.agent_public_key
-
-    async def slow_read(machine_id: uuid.UUID) -> bytes | None:
-        reads.append(machine_id)
-        await asyncio.sleep(0.05)
-        return await read(machine_id)
-
-    monkeypatch.setattr(bmdb, "agent_public_key", slow_read)
-    verified: list[bytes] = []
-    signed_by = heartbeat_server._signed_by
-
-    def counted_verification(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
-        verified.append(key)
-        return signed_by(key, request)
-
-    monkeypatch.setattr(heartbeat_server, "_signed_by", counted_verification)
+    costs = counted_costs(bmdb, monkeypatch, read_delay=0.05)
+    reads, verified = costs.reads, costs.verified
     waits: list[float] = []
 
     async def recorded_sleep(seconds: float) -> None:
