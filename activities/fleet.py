@@ -16,7 +16,6 @@ from activities.workflow_start import start_machine_workflow
 from bmdb.store import HeldRecoveries, ProvidedMachine, SilentMachine
 from lifecycle.contracts import (
     HEARTBEAT_LOST_SIGNAL,
-    RUNNING_MACHINES,
     AdmitInput,
     EnsureWorkflowsInput,
     EnsureWorkflowsResult,
@@ -28,6 +27,7 @@ from lifecycle.contracts import (
     WatchdogInput,
     WatchdogResult,
     machine_workflow_id,
+    running_machines_of,
 )
 from lifecycle.inputs import recovery_hold_rule
 from lifecycle.reconcile import plan_reconcile
@@ -218,7 +218,8 @@ class FleetActivities:
         """Start the workflow of every BMDB machine that has none running, unless it was decommissioned."""
         in_bmdb = [m for m in await self.deps.bmdb.list_provided(input.provider) if not m.retired]
         running: set[str] = set()
-        async for execution in self.deps.client.list_workflows(RUNNING_MACHINES):
+        # Only this provider's: in a fleet of several, each pass would otherwise page through all of them.
+        async for execution in self.deps.client.list_workflows(running_machines_of(input.provider)):
             running.add(execution.id)
 
         async def start(machine: ProvidedMachine) -> str | None:

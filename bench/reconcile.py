@@ -1,9 +1,20 @@
-"""Benchmark: one reconcile decision over a 100,000-machine fleet.
+"""Benchmark: one reconcile decision over a 100,000-machine fleet, and whole fleet passes.
 
-Measures plan_reconcile on listings of the given size, and BMDB's listing of
-that many provided machines on a local PostgreSQL. Run:
+By default, measures plan_reconcile on listings of the given size, and BMDB's
+listing of that many provided machines on a local PostgreSQL.
+
+With --pass, runs fleet passes as production does, at growing fleet sizes, on
+one PostgreSQL and one Temporal dev server: a static provider whose inventory
+lists every machine, BMDB holding all of them (provided, agent started,
+heartbeating), and a running MachineWorkflow for each, up to --running (the
+most this machine holds; their task queue has no worker, so they only wait).
+Where every machine has its workflow, a whole FleetWorkflow pass runs through
+a worker (plan, ensure the workflows, watchdog). Beyond --running, the pass's
+steps that do not depend on Temporal are timed at full size, and the listing
+of running workflows is extrapolated from its measured growth. Run:
 
     python -m bench.reconcile [--machines 100000]
+    python -m bench.reconcile --pass [--sizes 1000,3000,10000,100000] [--running 10000]
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from pathlib import Path
 
 import psycopg
 
+from bench.fleet_pass import run_fleet_passes
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB, ProvidedMachine
@@ -65,9 +77,23 @@ async def bmdb_listing(url: str, bmdb_rows: list[ProvidedMachine]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.reconcile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--machines", type=int, default=100_000)
+    parser.add_argument("--pass", dest="whole_pass", action="store_true", help="run whole fleet passes instead")
+    parser.add_argument("--sizes", default="1000,3000,10000,100000", help="fleet sizes for --pass, growing")
+    parser.add_argument("--running", type=int, default=10_000, help="running machine workflows at most (--pass)")
     args = parser.parse_args()
+    if args.whole_pass:
+        try:
+            sizes = sorted({int(size) for size in args.sizes.split(",")})
+        except ValueError:
+            parser.error(f"--sizes must be whole numbers separated by commas, got {args.sizes!r}")
+        if sizes[0] < 1 or args.running < 1:
+            parser.error("--sizes and --running must be positive")
+        run_fleet_passes(sizes, args.running)
+        return
     provider, bmdb_rows = listings(args.machines)
     valid = SimProvider("http://unused").is_valid_id
     seconds = best_of(5, lambda: plan_reconcile(provider, bmdb_rows, max_machines=0, chunk_size=20, is_valid_id=valid))

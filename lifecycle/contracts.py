@@ -83,6 +83,12 @@ def initial_search_attributes(provider: str, provider_id: str, machine_id: str) 
 # The visibility query of every machine workflow that runs: the worker's gauges and the commands list them.
 RUNNING_MACHINES = f'WorkflowType = "{MACHINE_WORKFLOW_TYPE}" AND ExecutionStatus = "Running"'
 
+
+def running_machines_of(provider: str) -> str:
+    """The visibility query of the running machine workflows of one provider instance (a name is [a-z0-9-])."""
+    return f'{RUNNING_MACHINES} AND {PROVIDER.name} = "{provider}"'
+
+
 HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"
 
 

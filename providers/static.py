@@ -189,7 +189,13 @@ def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachin
     if not isinstance(tables, list) or not all(isinstance(table, dict) for table in tables):
         raise refuse("'machines' must be a list of [[machines]] tables")
     # tomllib keeps no positions, so the n-th header is the n-th table; inline arrays have no header lines.
-    headers = [text.count("\n", 0, match.start()) + 1 for match in _HEADER.finditer(text)]
+    # Counted from one header to the next: counting from the top for each would be quadratic in the inventory.
+    headers: list[int] = []
+    line, counted_to = 1, 0
+    for match in _HEADER.finditer(text):
+        line += text.count("\n", counted_to, match.start())
+        counted_to = match.start()
+        headers.append(line)
     lines = headers if len(headers) == len(tables) else [0] * len(tables)
 
     machines: list[InventoryMachine] = []

@@ -1,0 +1,265 @@
+"""Whole fleet passes at growing fleet sizes, for bench.reconcile --pass (its docstring says what is measured)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import asyncssh
+import psycopg
+from temporalio.client import Client
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+from temporalio.worker import Worker
+
+from activities.deps import ActivityDeps
+from activities.fleet import FleetActivities, each_at_most
+from activities.workflow_start import start_machine_workflow
+from bmdb import migrate
+from bmdb.local_postgres import LocalPostgres
+from bmdb.store import BMDB
+from foundation.settings import ProviderInstance, Settings
+from foundation.ssh_identity import public_key_openssh
+from lifecycle.contracts import (
+    RUNNING_MACHINES,
+    SEARCH_ATTRIBUTES,
+    EnsureWorkflowsInput,
+    ReconcilePassInput,
+    WatchdogInput,
+    provider_task_queue,
+    running_machines_of,
+)
+from lifecycle.inputs import fleet_input, recovery_hold_rule
+from providers.static import from_settings
+from workflows.fleet import FleetWorkflow
+
+PROVIDER = "rack"
+FLEET_QUEUE = "bench-fleet"
+# The machine workflows' queue: no worker polls it, so they wait, running, as WATCHING machines cost nothing.
+IDLE_QUEUE = "bench-idle"
+STARTS_IN_FLIGHT = 50
+REPEATS = 3
+
+
+def provider_id(n: int) -> str:
+    return f"node-{n:06d}"
+
+
+@dataclass
+class Sizes:
+    """What one fleet size measured, in seconds (best of REPEATS); pass is None where not every machine runs."""
+
+    machines: int
+    running: int
+    plan: float
+    bmdb_listing: float
+    workflow_listing: float
+    watchdog: float
+    whole_pass: float | None
+
+
+def grow_bmdb(url: str, first: int, last: int) -> None:
+    """Machines first..last as after a takeover, heartbeating a moment ago."""
+    ids = [uuid.uuid4() for _ in range(first, last + 1)]
+    now = datetime.now(UTC)
+    with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cursor:
+        with cursor.copy("COPY machines (machine_id) FROM STDIN") as copy:
+            for machine_id in ids:
+                copy.write_row((machine_id,))
+        with cursor.copy(
+            "COPY machine_provided (machine_id, provider, provider_id, status, address, ssh_port) FROM STDIN"
+        ) as copy:
+            for n, machine_id in zip(range(first, last + 1), ids, strict=True):
+                copy.write_row((machine_id, PROVIDER, provider_id(n), "provided", "10.0.0.1", 22))
+        with cursor.copy(
+            "COPY machine_agent_started (machine_id, agent_started_at, agent_public_key) FROM STDIN"
+        ) as copy:
+            for machine_id in ids:
+                copy.write_row((machine_id, now, machine_id.bytes * 2))
+        with cursor.copy(
+            "COPY machine_agent_heartbeat (machine_id, agent_heartbeat_at, agent_sent_at) FROM STDIN"
+        ) as copy:
+            for machine_id in ids:
+                copy.write_row((machine_id, now, now))
+        cursor.execute("ANALYZE")
+
+
+def write_inventory(path: Path, machines: int) -> None:
+    lines = []
+    for n in range(1, machines + 1):
+        lines += ["[[machines]]", f'id = "{provider_id(n)}"', f'ssh = "10.0.{n // 65536}.{n % 250 + 1}:22"', ""]
+    path.write_text("\n".join(lines))
+
+
+async def best_of(action) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        await action()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+async def start_running(client: Client, settings: Settings, url: str, first: int, last: int) -> None:
+    idle = replace(settings, task_queue=IDLE_QUEUE)
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT provider_id, machine_id FROM machine_provided WHERE provider = %s AND provider_id = ANY(%s)",
+            (PROVIDER, [provider_id(n) for n in range(first, last + 1)]),
+        ).fetchall()
+
+    async def start(row: tuple[str, uuid.UUID]) -> bool:
+        return await start_machine_workflow(client, idle, PROVIDER, row[0], str(row[1]))
+
+    await each_at_most(rows, STARTS_IN_FLIGHT, start)
+
+
+async def running_count(client: Client, expected: int) -> None:
+    """Wait until visibility lists every started workflow, as a pass would see them."""
+    while True:
+        if (await client.count_workflows(RUNNING_MACHINES)).count >= expected:
+            return
+        await asyncio.sleep(0.5)
+
+
+async def measure(client: Client, deps: ActivityDeps, settings: Settings, machines: int, running: int) -> Sizes:
+    fleet = FleetActivities(deps)
+    environment = ActivityEnvironment()
+    plan_input = ReconcilePassInput(provider=PROVIDER, max_machines=0, chunk_size=settings.chunk_size)
+    plan = await best_of(lambda: environment.run(fleet.plan_reconcile_pass, plan_input))
+    bmdb_listing = await best_of(lambda: deps.bmdb.list_provided(PROVIDER))
+
+    async def list_running() -> None:
+        async for _ in client.list_workflows(running_machines_of(PROVIDER)):
+            pass
+
+    workflow_listing = await best_of(list_running)
+    watchdog_input = WatchdogInput(
+        provider=PROVIDER,
+        as_of=datetime.now(UTC).isoformat(),
+        first_heartbeat_within=settings.first_heartbeat_timeout,
+        heartbeat_within=settings.heartbeat_timeout,
+        hold_rule=recovery_hold_rule(settings),
+    )
+    watchdog = await best_of(lambda: environment.run(fleet.watch_silent_machines, watchdog_input))
+    whole_pass = None
+    if running == machines:
+        ensure = await environment.run(fleet.ensure_machine_workflows, EnsureWorkflowsInput(provider=PROVIDER))
+        assert not ensure.started, f"every machine has its workflow, yet the pass started {len(ensure.started)}"
+
+        async def one_pass() -> None:
+            result = await client.execute_workflow(
+                FleetWorkflow.run,
+                fleet_input(settings, PROVIDER),
+                id=f"bench-pass-{uuid.uuid4()}",
+                task_queue=FLEET_QUEUE,
+            )
+            assert result.error is None and result.silent == [] and result.workflows_started == 0, result
+
+        whole_pass = await best_of(one_pass)
+    return Sizes(machines, running, plan, bmdb_listing, workflow_listing, watchdog, whole_pass)
+
+
+def report(measured: list[Sizes], cap: int) -> None:
+    print(f"fleet passes, provider {PROVIDER!r} (static inventory), best of {REPEATS}:")
+    print("  machines  running  plan      BMDB list  workflows  watchdog  whole pass")
+    for size in measured:
+        whole = f"{size.whole_pass:6.2f} s" if size.whole_pass is not None else "       -"
+        print(
+            f"  {size.machines:8,} {size.running:8,}  {size.plan:6.2f} s  {size.bmdb_listing:6.2f} s"
+            f"   {size.workflow_listing:6.2f} s  {size.watchdog:6.2f} s  {whole}"
+        )
+    full = [size for size in measured if size.whole_pass is not None]
+    if len(full) >= 2:
+        small, large = full[0], full[-1]
+        growth = large.machines / small.machines
+        ratio = large.whole_pass / small.whole_pass  # type: ignore[operator]
+        print(
+            f"  whole pass from {small.machines:,} to {large.machines:,} machines ({growth:g}x):"
+            f" {ratio:.2f}x the time ({ratio / growth:.2f} of linear)"
+        )
+    beyond = [size for size in measured if size.whole_pass is None]
+    if beyond and full:
+        known = full[-1]
+        # Each listed workflow costs the same, as the measured sizes show: the listing grows with the count.
+        per_workflow = statistics.median(size.workflow_listing / size.running for size in full)
+        other = known.whole_pass - known.workflow_listing - known.plan - known.watchdog  # type: ignore[operator]
+        for size in beyond:
+            listing = per_workflow * size.machines
+            estimate = size.plan + size.watchdog + listing + max(other, 0.0) + size.bmdb_listing - known.bmdb_listing
+            print(
+                f"  at {size.machines:,}: {size.running:,} workflows run here ({cap:,} at most); listing"
+                f" {size.machines:,} would take about {listing:.1f} s at the measured {per_workflow * 1e6:.0f} µs"
+                f" each, and the whole pass about {estimate:.1f} s"
+            )
+
+
+async def passes(url: str, tmp: Path, sizes: list[int], cap: int) -> list[Sizes]:
+    inventory = tmp / "inventory.toml"
+    settings = Settings(
+        task_queue=FLEET_QUEUE,
+        providers=(ProviderInstance(PROVIDER, "static", {"inventory": str(inventory)}),),
+    )
+    environment = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(Path(sys.executable).parent / "temporal"),
+        search_attributes=SEARCH_ATTRIBUTES,
+        dev_server_log_level="error",
+    )
+    bmdb = BMDB(url)
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    deps = ActivityDeps(
+        settings=settings,
+        bmdb=bmdb,
+        providers={PROVIDER: from_settings(settings.providers[0], settings)},
+        client=environment.client,
+        ssh_key=key,
+        ssh_public_key=public_key_openssh(key),
+    )
+    fleet = FleetActivities(deps)
+    workers = [
+        Worker(
+            environment.client,
+            task_queue=FLEET_QUEUE,
+            workflows=[FleetWorkflow],
+            activities=[fleet.ensure_machine_workflows, fleet.watch_silent_machines],
+        ),
+        Worker(
+            environment.client,
+            task_queue=provider_task_queue(FLEET_QUEUE, PROVIDER),
+            activities=[fleet.plan_reconcile_pass],
+        ),
+    ]
+    measured = []
+    try:
+        async with workers[0], workers[1]:
+            in_bmdb = running = 0
+            for size in sizes:
+                started = time.perf_counter()
+                grow_bmdb(url, in_bmdb + 1, size)
+                write_inventory(inventory, size)
+                target = min(size, cap)
+                await start_running(environment.client, settings, url, running + 1, target)
+                await running_count(environment.client, target)
+                in_bmdb, running = size, target
+                setup = time.perf_counter() - started
+                print(f"{size:,} machines, {running:,} workflows running ({setup:.0f} s to set up)")
+                measured.append(await measure(environment.client, deps, settings, size, running))
+    finally:
+        await bmdb.close()
+        await environment.shutdown()
+    return measured
+
+
+def run_fleet_passes(sizes: list[int], cap: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        with LocalPostgres(tmp / "pg") as url:
+            migrate.upgrade(url)
+            measured = asyncio.run(passes(url, tmp, sizes, cap))
+    report(measured, cap)
