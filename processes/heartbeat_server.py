@@ -456,7 +456,12 @@ async def run_heartbeat_server(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    loaded = await service.load_keys()
+    try:
+        loaded = await service.load_keys()
+    except SQLAlchemyError as error:
+        # Serving without them only costs a BMDB read a machine, as they come; refusing to start would cost more.
+        log.warning("could not load the agents' keys (%s); each is read from BMDB at its first heartbeat", error)
+        loaded = 0
     await server.start()
     log.info(
         "heartbeat server on %s (%s), %d agent keys loaded",
@@ -467,6 +472,8 @@ async def run_heartbeat_server(
     try:
         await stop.wait()
     finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
         await server.stop(grace=5)
         await service.close()
         await bmdb.close()

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from sqlalchemy.exc import OperationalError
 
 from agent.heartbeat import signed_heartbeat
 from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
+from foundation.settings import Settings
 from processes import heartbeat_server
-from processes.heartbeat_server import HeartbeatRejected, HeartbeatService
+from processes.heartbeat_server import HeartbeatRejected, HeartbeatService, run_heartbeat_server
+from proto import agent_api_pb2_grpc
 
 
 async def started_agent(bmdb: BMDB, name: str) -> tuple[uuid.UUID, Ed25519PrivateKey, bytes]:
@@ -141,3 +146,29 @@ def test_the_heartbeat_connection_takes_every_form_of_the_bmdb_url(url):
     from bmdb.store import libpq_url
 
     assert libpq_url(url).startswith("postgresql://u@h/db")
+
+
+async def test_a_server_that_cannot_load_the_keys_at_start_serves_and_reads_each_at_its_first_heartbeat(
+    bmdb, bmdb_url, monkeypatch, caplog
+):
+    machine_id, key, _ = await started_agent(bmdb, "node-0001")
+
+    async def unavailable(self: BMDB, limit: int) -> dict[uuid.UUID, bytes]:
+        raise OperationalError("SELECT agent keys", {}, Exception("the server closed the connection"))
+
+    monkeypatch.setattr(BMDB, "agent_public_keys", unavailable)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = Settings(heartbeat_plaintext=True, heartbeat_listen=f"127.0.0.1:{port}", metrics_listen="")
+    stop = asyncio.Event()
+    serving = asyncio.create_task(run_heartbeat_server(settings, bmdb_url, stop=stop))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            response = await stub.Heartbeat(signed_heartbeat(str(machine_id), key), wait_for_ready=True, timeout=30)
+        assert response.next_heartbeat_in_ms == settings.heartbeat_interval * 1000
+    finally:
+        stop.set()
+        await serving
+    assert "could not load the agents' keys" in caplog.text
