@@ -50,6 +50,7 @@ from bench.heartbeat_load import LoadSeen, agent_key, machine_id
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB, RECORD_HEARTBEATS
+from foundation.procfs import children_of
 from foundation.settings import Settings
 from foundation.tls import local_certificates
 from processes.heartbeat_server import HeartbeatService, build_server
@@ -306,7 +307,8 @@ class ServerProcesses:
         return "in the server processes, not seen from here"
 
     def peak_rss(self) -> str:
-        servers = [pid for pid in self._pids()[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert self.command is not None
+        servers = children_of(self.command.pid, mentioning="spawn_main")
         return ", ".join(f"{peak_rss_mib(pid):,.0f}" for pid in servers) + " MiB (each server process)"
 
     async def stop(self) -> None:
@@ -316,18 +318,7 @@ class ServerProcesses:
 
     def _pids(self) -> list[int]:
         assert self.command is not None
-        parent = self.command.pid
-        children = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if (
-                    entry.name.isdigit()
-                    and int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]) == parent
-                ):
-                    children.append(int(entry.name))
-            except OSError:
-                continue
-        return [parent, *children]
+        return [self.command.pid, *children_of(self.command.pid)]
 
     @staticmethod
     async def _listening(target: str) -> bool:

@@ -46,3 +46,20 @@ def processes_mentioning(text: str) -> list[int]:
         if needle in details:
             found.append(pid)
     return found
+
+
+def children_of(parent: int, mentioning: str = "") -> list[int]:
+    """Pids of the running processes whose parent is parent (zombies left out), and whose command line contains
+    mentioning when given."""
+    needle = mentioning.encode()
+    found = []
+    for pid, entry in _others():
+        try:
+            # The command name may hold spaces and parentheses: the fields start after its last ")".
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != parent or state == "Z" or needle not in (entry / "cmdline").read_bytes():
+                continue
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        found.append(pid)
+    return found

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
+from foundation.procfs import children_of
 from proto import agent_api_pb2_grpc
 from shepherd.cli import main
 
@@ -63,17 +64,8 @@ def running(pid: int) -> bool:
         return False
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
+def server_processes(parent: int) -> list[int]:
+    return children_of(parent, mentioning="spawn_main")
 
 
 @contextmanager
@@ -93,7 +85,7 @@ def heartbeat_servers(
     try:
         yield parent
     finally:
-        for pid in children_of(parent.pid):
+        for pid in server_processes(parent.pid):
             os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait()
@@ -133,7 +125,7 @@ async def test_processes_share_the_port_and_stop_together_on_sigterm(bmdb, bmdb_
     port, metrics_port = free_port(), two_free_ports()
     with heartbeat_servers(bmdb_url, port, tmp_path, metrics_port) as parent:
         assert await accepted_over_new_connections(port, machine_id, key, 30) == 30
-        children = children_of(parent.pid)
+        children = server_processes(parent.pid)
         assert len(children) == 2
         # Thirty connections all landing on one process would be a chance of one in 500 million.
         by_process = [await asyncio.to_thread(accepted_by, metrics_port + n) for n in range(2)]
@@ -153,7 +145,7 @@ async def test_one_process_that_dies_stops_the_others_and_says_which(bmdb, bmdb_
     port = free_port()
     with heartbeat_servers(bmdb_url, port, tmp_path) as parent:
         assert await accepted_over_new_connections(port, machine_id, key, 1) == 1
-        victim, other = children_of(parent.pid)
+        victim, other = server_processes(parent.pid)
         os.kill(victim, signal.SIGKILL)
         assert await asyncio.to_thread(parent.wait, STOP_TIMEOUT) == 1
         _, err = parent.communicate()
