@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 from activities.deps import ActivityDeps
 from activities.fleet import FleetActivities, each_at_most
 from activities.workflow_start import start_machine_workflow
+from bench.bmdb_rows import BenchMachine, insert_machines
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
@@ -66,28 +67,11 @@ class Sizes:
 
 def grow_bmdb(url: str, first: int, last: int) -> None:
     """Machines first..last as after a takeover, heartbeating a moment ago."""
-    ids = [uuid.uuid4() for _ in range(first, last + 1)]
-    now = datetime.now(UTC)
-    with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cursor:
-        with cursor.copy("COPY machines (machine_id) FROM STDIN") as copy:
-            for machine_id in ids:
-                copy.write_row((machine_id,))
-        with cursor.copy(
-            "COPY machine_provided (machine_id, provider, provider_id, status, address, ssh_port) FROM STDIN"
-        ) as copy:
-            for n, machine_id in zip(range(first, last + 1), ids, strict=True):
-                copy.write_row((machine_id, PROVIDER, provider_id(n), "provided", "10.0.0.1", 22))
-        with cursor.copy(
-            "COPY machine_agent_started (machine_id, agent_started_at, agent_public_key) FROM STDIN"
-        ) as copy:
-            for machine_id in ids:
-                copy.write_row((machine_id, now, machine_id.bytes * 2))
-        with cursor.copy(
-            "COPY machine_agent_heartbeat (machine_id, agent_heartbeat_at, agent_sent_at) FROM STDIN"
-        ) as copy:
-            for machine_id in ids:
-                copy.write_row((machine_id, now, now))
-        cursor.execute("ANALYZE")
+    machines = []
+    for n in range(first, last + 1):
+        machine_id = uuid.uuid4()
+        machines.append(BenchMachine(machine_id, PROVIDER, provider_id(n), machine_id.bytes * 2))
+    insert_machines(url, machines, heartbeat_at=datetime.now(UTC))
 
 
 def write_inventory(path: Path, machines: int) -> None:

@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.heartbeat import signed_heartbeat
+from bench.bmdb_rows import BenchMachine, insert_machines
 from bench.heartbeat_load import LoadSeen, agent_key, machine_id
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
@@ -59,7 +60,6 @@ from proto.signing import NONCE_SIZE, signing_payload
 
 DEFAULTS = Settings()
 CALL_TIMEOUT = 10.0
-REGISTER_CHUNK = 10_000
 RAW_CONNECTIONS = 10
 RAW_BATCH = 100
 RAW_SECONDS = 5.0
@@ -84,24 +84,7 @@ def register(url: str, count: int) -> list[tuple[uuid.UUID, bytes]]:
     agents = [
         (machine_id(n), agent_key(n).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)) for n in range(count)
     ]
-    with psycopg.connect(url, autocommit=True) as conn:
-        for first in range(0, count, REGISTER_CHUNK):
-            chunk = agents[first : first + REGISTER_CHUNK]
-            ids = [machine for machine, _ in chunk]
-            with conn.transaction():
-                conn.execute("INSERT INTO machines (machine_id) SELECT unnest(%s::uuid[])", (ids,))
-                conn.execute(
-                    "INSERT INTO machine_provided (machine_id, provider, provider_id, status, address, ssh_port)"
-                    " SELECT machine_id, 'sim', machine_id::text, 'provided', '10.0.0.1', 22"
-                    " FROM unnest(%s::uuid[]) AS machine_id",
-                    (ids,),
-                )
-                conn.execute(
-                    "INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key)"
-                    " SELECT machine_id, now(), key FROM unnest(%s::uuid[], %s::bytea[]) AS agent (machine_id, key)",
-                    (ids, [key for _, key in chunk]),
-                )
-        conn.execute("ANALYZE")
+    insert_machines(url, [BenchMachine(machine, "sim", str(machine), key) for machine, key in agents])
     return agents
 
 

@@ -26,8 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-import psycopg
-
+from bench.bmdb_rows import BenchMachine, insert_machines
 from bench.fleet_pass import run_fleet_passes
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
@@ -56,13 +55,7 @@ def best_of(runs: int, action) -> float:  # type: ignore[no-untyped-def]
 
 
 async def bmdb_listing(url: str, bmdb_rows: list[ProvidedMachine]) -> float:
-    with psycopg.connect(url) as conn, conn.cursor() as cursor:
-        with cursor.copy("COPY machines (machine_id) FROM STDIN") as copy:
-            for row in bmdb_rows:
-                copy.write_row((row.machine_id,))
-        with cursor.copy("COPY machine_provided (machine_id, provider, provider_id, status) FROM STDIN") as copy:
-            for row in bmdb_rows:
-                copy.write_row((row.machine_id, row.provider, row.provider_id, row.status))
+    insert_machines(url, [BenchMachine(row.machine_id, row.provider, row.provider_id) for row in bmdb_rows])
     db = BMDB(url)
     try:
         times = []
