@@ -54,14 +54,17 @@ def provider_id(n: int) -> str:
 
 @dataclass
 class Sizes:
-    """What one fleet size measured, in seconds (best of REPEATS); pass is None where not every machine runs."""
+    """What one fleet size measured, in seconds (best of REPEATS); None where not every machine has its workflow."""
 
     machines: int
     running: int
     plan: float
     bmdb_listing: float
+    workflow_count: float
     workflow_listing: float
     watchdog: float
+    # The ensure step of a pass that counts the running workflows and finds one for every machine.
+    ensure_counting: float | None
     whole_pass: float | None
 
 
@@ -118,9 +121,11 @@ async def measure(client: Client, deps: ActivityDeps, settings: Settings, machin
     plan_input = ReconcilePassInput(provider=PROVIDER, max_machines=0, chunk_size=settings.chunk_size)
     plan = await best_of(lambda: environment.run(fleet.plan_reconcile_pass, plan_input))
     bmdb_listing = await best_of(lambda: deps.bmdb.list_provided(PROVIDER))
+    query = running_machines_of(PROVIDER)
+    workflow_count = await best_of(lambda: client.count_workflows(query))
 
     async def list_running() -> None:
-        async for _ in client.list_workflows(running_machines_of(PROVIDER)):
+        async for _ in client.list_workflows(query):
             pass
 
     workflow_listing = await best_of(list_running)
@@ -132,10 +137,18 @@ async def measure(client: Client, deps: ActivityDeps, settings: Settings, machin
         hold_rule=recovery_hold_rule(settings),
     )
     watchdog = await best_of(lambda: environment.run(fleet.watch_silent_machines, watchdog_input))
-    whole_pass = None
+    ensure_counting = whole_pass = None
     if running == machines:
-        ensure = await environment.run(fleet.ensure_machine_workflows, EnsureWorkflowsInput(provider=PROVIDER))
-        assert not ensure.started, f"every machine has its workflow, yet the pass started {len(ensure.started)}"
+        ensure_input = EnsureWorkflowsInput(provider=PROVIDER)
+        # A worker's first pass lists every running workflow; the ones after it count them.
+        first = await environment.run(fleet.ensure_machine_workflows, ensure_input)
+        assert first.listed and not first.started, f"every machine has its workflow, yet the pass did {first}"
+
+        async def ensure() -> None:
+            result = await environment.run(fleet.ensure_machine_workflows, ensure_input)
+            assert not result.listed and not result.started, result
+
+        ensure_counting = await best_of(ensure)
 
         async def one_pass() -> None:
             result = await client.execute_workflow(
@@ -146,18 +159,24 @@ async def measure(client: Client, deps: ActivityDeps, settings: Settings, machin
             )
             assert result.error is None and result.silent == [] and result.workflows_started == 0, result
 
+        # The worker's first pass at the smallest size lists; REPEATS passes after it count.
+        await one_pass()
         whole_pass = await best_of(one_pass)
-    return Sizes(machines, running, plan, bmdb_listing, workflow_listing, watchdog, whole_pass)
+    return Sizes(
+        machines, running, plan, bmdb_listing, workflow_count, workflow_listing, watchdog, ensure_counting, whole_pass
+    )
 
 
 def report(measured: list[Sizes], cap: int) -> None:
     print(f"fleet passes, provider {PROVIDER!r} (static inventory), best of {REPEATS}:")
-    print("  machines  running  plan      BMDB list  workflows  watchdog  whole pass")
+    print("  machines  running  plan     BMDB list  count    listing   ensure   watchdog  whole pass")
     for size in measured:
+        ensure = f"{size.ensure_counting:6.2f} s" if size.ensure_counting is not None else "       -"
         whole = f"{size.whole_pass:6.2f} s" if size.whole_pass is not None else "       -"
         print(
-            f"  {size.machines:8,} {size.running:8,}  {size.plan:6.2f} s  {size.bmdb_listing:6.2f} s"
-            f"   {size.workflow_listing:6.2f} s  {size.watchdog:6.2f} s  {whole}"
+            f"  {size.machines:8,} {size.running:8,}  {size.plan:5.2f} s  {size.bmdb_listing:5.2f} s"
+            f"   {size.workflow_count:5.3f} s  {size.workflow_listing:5.2f} s  {ensure}  {size.watchdog:5.2f} s"
+            f"   {whole}"
         )
     full = [size for size in measured if size.whole_pass is not None]
     if len(full) >= 2:
@@ -171,16 +190,22 @@ def report(measured: list[Sizes], cap: int) -> None:
     beyond = [size for size in measured if size.whole_pass is None]
     if beyond and full:
         known = full[-1]
-        # Each listed workflow costs the same, as the measured sizes show: the listing grows with the count.
-        per_workflow = statistics.median(size.workflow_listing / size.running for size in full)
-        other = known.whole_pass - known.workflow_listing - known.plan - known.watchdog  # type: ignore[operator]
+        # Counting and listing grow with the running workflows, as the measured sizes show.
+        per_count = statistics.median(size.workflow_count / size.running for size in full)
+        per_listed = statistics.median(size.workflow_listing / size.running for size in full)
+        assert known.whole_pass is not None and known.ensure_counting is not None
+        # The pass's own cost beyond its steps: workflow tasks, activity dispatch.
+        other = max(known.whole_pass - known.plan - known.ensure_counting - known.watchdog, 0.0)
         for size in beyond:
-            listing = per_workflow * size.machines
-            estimate = size.plan + size.watchdog + listing + max(other, 0.0) + size.bmdb_listing - known.bmdb_listing
+            count = per_count * size.machines
+            listing = per_listed * size.machines
+            counting_pass = size.plan + size.watchdog + size.bmdb_listing + count + other
             print(
-                f"  at {size.machines:,}: {size.running:,} workflows run here ({cap:,} at most); listing"
-                f" {size.machines:,} would take about {listing:.1f} s at the measured {per_workflow * 1e6:.0f} µs"
-                f" each, and the whole pass about {estimate:.1f} s"
+                f"  at {size.machines:,}: {size.running:,} workflows run here ({cap:,} at most). A pass that counts"
+                f" them would take about {counting_pass:.1f} s (the count about {count:.2f} s at the measured"
+                f" {per_count * 1e6:.1f} µs a workflow). One that lists them all (a worker's first, the hourly one,"
+                f" or one whose count shows a machine without its workflow) about {counting_pass + listing:.1f} s:"
+                f" listing {size.machines:,} at {per_listed * 1e6:.0f} µs each."
             )
 
 

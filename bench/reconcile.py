@@ -10,8 +10,9 @@ heartbeating), and a running MachineWorkflow for each, up to --running (the
 most this machine holds; their task queue has no worker, so they only wait).
 Where every machine has its workflow, a whole FleetWorkflow pass runs through
 a worker (plan, ensure the workflows, watchdog). Beyond --running, the pass's
-steps that do not depend on Temporal are timed at full size, and the listing
-of running workflows is extrapolated from its measured growth. Run:
+steps that do not depend on Temporal are timed at full size, and counting
+and listing the running workflows are extrapolated from their measured
+growth. Run:
 
     python -m bench.reconcile [--machines 100000]
     python -m bench.reconcile --pass [--sizes 1000,3000,10000,100000] [--running 10000]

@@ -569,6 +569,8 @@ class EnsureWorkflowsResult:
 
     machines: int
     started: list[str]
+    # Whether the pass listed the running workflows, or counted them only and found one for every machine.
+    listed: bool = True
 
 
 @dataclass
