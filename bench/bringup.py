@@ -17,6 +17,12 @@ shepherd  the machines are admitted to BMDB and created with their workflow
           finds it created, and BMDB) and takes it over (SSH, BMDB), as in
           production. Timed until BMDB holds every agent's start.
 
+Both run from compiled bytecode, as installed code does (a bytecode cache of
+their own): without it, the workflow sandbox compiles the workflow module at
+every workflow run. Beside the process's own CPU, the Shepherd variant reads
+from /proc the CPU of the Temporal dev server and of PostgreSQL, which share
+the cores.
+
 Left out on purpose: a fleet pass admits one machine per
 device_creation_interval and at most chunk_size a pass, the provider's rate
 limit; this measures what the worker does once machines are admitted (after a
@@ -31,6 +37,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import resource
 import statistics
 import subprocess
@@ -45,6 +52,8 @@ import asyncssh
 
 from activities.fleet import each_at_most
 from agent.build import build_agent_executable
+from bench.heartbeats import postgres_cpu_seconds, process_cpu_seconds
+from foundation.procfs import children_of
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from proto import takeover_pb2
@@ -74,6 +83,9 @@ class Outcome:
     cpu_agents: float
     p50: float | None = None
     p99: float | None = None
+    # Shepherd's other processes on the same cores while timed: the Temporal dev server and PostgreSQL.
+    cpu_temporal: float = 0.0
+    cpu_postgres: float = 0.0
 
 
 def raise_file_limit() -> None:
@@ -104,8 +116,8 @@ class Stopwatch:
         self.seconds = time.perf_counter() - self.started
         self.cpu = (own - self.cpu_started[0], agents - self.cpu_started[1])
 
-    def outcome(self, variant: str, machines: int, concurrency: int, failures: int, **latency: float) -> Outcome:
-        return Outcome(variant, machines, concurrency, self.seconds, failures, peak_rss_mib(), *self.cpu, **latency)
+    def outcome(self, variant: str, machines: int, concurrency: int, failures: int, **more: float) -> Outcome:
+        return Outcome(variant, machines, concurrency, self.seconds, failures, peak_rss_mib(), *self.cpu, **more)
 
 
 def simulator(tmp: Path, machines: int) -> Simulator:
@@ -210,6 +222,8 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
                 slot, machine_id = slot_and_machine
                 return await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
 
+            (temporal_server,) = children_of(os.getpid(), mentioning="start-dev")
+            others_before = process_cpu_seconds(temporal_server), postgres_cpu_seconds(tmp / "pg") or 0.0
             async with serving(env.client, deps):
                 stopwatch = Stopwatch()
                 machine_ids = [machine_id for machine_id, _ in admitted]
@@ -219,6 +233,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
                         raise RuntimeError(f"not every agent started within {LIMIT_SECONDS:.0f}s")
                     await asyncio.sleep(PROGRESS_POLL)
                 stopwatch.stop()
+            others = process_cpu_seconds(temporal_server), postgres_cpu_seconds(tmp / "pg") or 0.0
             failures = sum(
                 [
                     1
@@ -232,7 +247,14 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
     finally:
         await env.shutdown()
         await sim.stop()
-    return stopwatch.outcome("shepherd", machines, concurrency, failures)
+    return stopwatch.outcome(
+        "shepherd",
+        machines,
+        concurrency,
+        failures,
+        cpu_temporal=others[0] - others_before[0],
+        cpu_postgres=others[1] - others_before[1],
+    )
 
 
 def run_variant(args: argparse.Namespace) -> Outcome:
@@ -265,6 +287,17 @@ def report(outcomes: list[Outcome]) -> None:
             f"{seconds(o.p50):>6} {seconds(o.p99):>6} {o.failed_attempts:>6} "
             f"{o.cpu_process:>7.1f}s {o.cpu_agents:>6.1f}s {o.peak_rss_mib:>5.0f}MiB"
         )
+    raw, shepherd = outcomes
+    print(
+        f"shepherd took {shepherd.seconds / raw.seconds:.2f}x raw asyncssh's time; CPU of the process a machine:"
+        f" {shepherd.cpu_process / shepherd.machines * 1e3:.0f} ms against {raw.cpu_process / raw.machines * 1e3:.0f}"
+        " ms (both ends of SSH and the provider API are in it)"
+    )
+    print(
+        f"beside it, on the same cores: the Temporal server {shepherd.cpu_temporal / shepherd.machines * 1e3:.0f} ms"
+        f" a machine, PostgreSQL {shepherd.cpu_postgres / shepherd.machines * 1e3:.0f} ms; the agents"
+        f" {shepherd.cpu_agents / shepherd.machines * 1e3:.0f} ms (raw: {raw.cpu_agents / raw.machines * 1e3:.0f} ms)"
+    )
 
 
 def main() -> None:
@@ -281,11 +314,16 @@ def main() -> None:
         print(json.dumps(asdict(run_variant(args))))
         return
     outcomes = []
-    for variant in ("raw", "shepherd"):
-        command = [sys.executable, "-m", "bench.bringup", "--machines", str(args.machines)]
-        command += ["--concurrency", str(args.concurrency), "--variant", variant]
-        completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
-        outcomes.append(Outcome(**json.loads(completed.stdout.strip().splitlines()[-1])))
+    with tempfile.TemporaryDirectory() as bytecode:
+        # As installed by pip, which compiles: without bytecode the workflow sandbox would compile the workflow
+        # module at every run, which is no production worker's cost (the worker warns about it at start).
+        environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        environment["PYTHONPYCACHEPREFIX"] = bytecode
+        for variant in ("raw", "shepherd"):
+            command = [sys.executable, "-m", "bench.bringup", "--machines", str(args.machines)]
+            command += ["--concurrency", str(args.concurrency), "--variant", variant]
+            completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, env=environment)
+            outcomes.append(Outcome(**json.loads(completed.stdout.strip().splitlines()[-1])))
     report(outcomes)
 
 

@@ -202,6 +202,9 @@ class Settings:
     max_concurrent_activities: int = _setting(200, "Activities one worker runs at once")
     max_activities_per_second: float = _setting(0.0, "Activity rate limit of one worker; 0 for none")
     max_concurrent_workflow_tasks: int = _setting(100, "Workflow tasks one worker runs at once")
+    max_cached_workflows: int = _setting(
+        1000, "Workflow runs one worker keeps in memory; the others are replayed from their history at their next task"
+    )
     shutdown_grace: float = _duration(10.0, "How long a stopping worker lets running activities finish")
 
     # Observability, per process
@@ -249,6 +252,7 @@ class Settings:
             ("max_machines", 0),
             ("max_concurrent_activities", 1),
             ("max_concurrent_workflow_tasks", 2),
+            ("max_cached_workflows", 0),
             ("max_activities_per_second", 0),
             ("recovery_hold_min_machines", 1),
             ("recovery_budget", 1),

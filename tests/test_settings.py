@@ -50,6 +50,7 @@ def test_durations(text, seconds):
         ({"SHEPHERD_SSH_EXEC_TIMEOUT": "soon"}, "ssh_exec_timeout"),
         ({"SHEPHERD_CHUNK_SIZE": "0"}, "chunk_size"),
         ({"SHEPHERD_MAX_MACHINES": "many"}, "max_machines"),
+        ({"SHEPHERD_MAX_CACHED_WORKFLOWS": "-1"}, "max_cached_workflows"),
         ({"SHEPHERD_AGENT_START_BACKOFF_MULTIPLIER": "0.5"}, "agent_start_backoff_multiplier"),
         ({"SHEPHERD_PROVIDER": "Rack 1"}, "provider"),
         ({"SHEPHERD_DATABASE_URL": "mysql://x"}, "database_url"),
