@@ -116,8 +116,10 @@ class Settings:
     """Every setting of Shepherd, with its default and meaning; read by from_env (or resolve), checked by check()."""
 
     # Temporal
-    temporal_address: str = _setting("localhost:7233", "Temporal frontend host:port")
-    temporal_namespace: str = _setting("default", "Temporal namespace")
+    # Unset: the Temporal CLI's configuration (TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, temporal.toml), which also
+    # gives TLS, client certificates and API keys; see foundation/temporal_connection.py.
+    temporal_address: str | None = _setting(None, "Temporal frontend host:port, over the Temporal configuration's")
+    temporal_namespace: str | None = _setting(None, "Temporal namespace, over the Temporal configuration's")
     task_queue: str = _setting("shepherd", "Task queue of all workflows and activities")
 
     # BMDB

@@ -15,6 +15,7 @@ from temporalio.runtime import Runtime
 from temporalio.service import RPCError
 
 from foundation.settings import Settings
+from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
 
 
 class StartupError(Exception):
@@ -22,15 +23,18 @@ class StartupError(Exception):
 
 
 async def connect_temporal(settings: Settings, runtime: Runtime | None = None) -> Client:
-    """A Temporal client for the configured address and namespace."""
+    """A Temporal client for the connection in effect (foundation.temporal_connection)."""
     try:
-        return await Client.connect(
-            settings.temporal_address, namespace=settings.temporal_namespace, runtime=runtime or Runtime.default()
-        )
+        connection = load_temporal_connection(settings)
+        arguments = connection.connect_arguments()
+    except TemporalConfigError as error:
+        raise StartupError(str(error)) from None
+    try:
+        return await Client.connect(**arguments, runtime=runtime or Runtime.default())
     except Exception as error:
         raise StartupError(
-            f"cannot reach Temporal at {settings.temporal_address} (setting temporal_address), "
-            f"namespace {settings.temporal_namespace!r}: {error}"
+            f"cannot reach Temporal at {connection.address} ({connection.source('address')}), "
+            f"namespace {connection.namespace!r}: {error}"
         ) from error
 
 

@@ -254,7 +254,7 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
     except MetricsUnavailable as error:
         raise StartupError(str(error)) from None
     client = await connect_temporal(settings, runtime)
-    await check_search_attributes(client, settings.temporal_namespace, SEARCH_ATTRIBUTES)
+    await check_search_attributes(client, client.namespace, SEARCH_ATTRIBUTES)
     deps = await open_activity_deps(settings, client, database_url)
     deps.metrics = WorkerMetrics.on(meter_of(runtime))
     _warn_if_workflows_compile_each_run()
@@ -264,7 +264,12 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
         loop.add_signal_handler(signum, stop.set)
     try:
         await ensure_fleet_schedules(client, settings)
-        log.info("worker polling task queue %s at %s", settings.task_queue, settings.temporal_address)
+        log.info(
+            "worker polling task queue %s at %s, namespace %s",
+            settings.task_queue,
+            client.service_client.config.target_host,
+            client.namespace,
+        )
         if runtime is not None:
             log.info("serving /metrics on %s", settings.metrics_listen)
         async with serving(client, deps), asyncio.TaskGroup() as observers:

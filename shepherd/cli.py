@@ -102,6 +102,6 @@ def _run(args: argparse.Namespace) -> int:
     except StartupError as error:
         raise CommandError(str(error)) from None
     except RPCError as error:
-        raise CommandError(f"Temporal at {settings.temporal_address} refused: {error.message}") from None
+        raise CommandError(f"Temporal refused: {error.message}") from None
     except BMDBUnavailable as error:
         raise CommandError(f"{error} (setting database_url)") from None

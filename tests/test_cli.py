@@ -196,7 +196,8 @@ def test_config_prints_the_effective_settings_with_the_password_hidden(tmp_path)
     lines = result.stdout.splitlines()
     assert f"max_machines = 7  # file {config}" in lines
     assert "chunk_size = 3  # environment SHEPHERD_CHUNK_SIZE" in lines
-    assert 'temporal_namespace = "default"  # default' in lines
+    assert "# temporal_namespace is unset  (default)" in lines
+    assert "#   namespace = default  (default)" in lines
     assert f'database_url = "postgresql://shepherd:***@db.example.net/bmdb"  # file {config}' in lines
     assert "hunter2" not in result.stdout + result.stderr
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from foundation.settings import Settings, effective_settings
-from shepherd.commands.base import EXIT_OK, Subcommands, add_common, resolve_settings
+from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
+from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, resolve_settings
 
 
 def register(commands: Subcommands) -> None:
@@ -17,5 +19,18 @@ def register(commands: Subcommands) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     _, sources = resolve_settings(args)
-    print(effective_settings(settings, sources, as_json=args.json), end="")
+    try:
+        connection = load_temporal_connection(settings).described()
+    except TemporalConfigError as error:
+        raise CommandError(str(error)) from None
+    text = effective_settings(settings, sources, as_json=args.json)
+    if args.json:
+        shown = json.loads(text)
+        shown["temporal_connection"] = [{"part": p, "value": v, "source": s} for p, v, s in connection]
+        print(json.dumps(shown, indent=2))
+        return EXIT_OK
+    # Comments, so the output stays a settings file Shepherd can read back.
+    lines = ["", "# The Temporal connection in effect: the Temporal CLI's configuration, then the settings above."]
+    lines += [f"#   {part} = {value}  ({source})" for part, value, source in connection]
+    print(text + "\n".join(lines))
     return EXIT_OK

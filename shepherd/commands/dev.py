@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO
@@ -135,6 +135,7 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
         recovery_backoff_maximum=60.0,
         recovery_backoff_multiplier=1.5,
         temporal_address=f"127.0.0.1:{TEMPORAL_PORT}",
+        temporal_namespace="default",
         state_dir=state,
         sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
         agent_executable_path=state / "agent.pyz",
@@ -161,6 +162,13 @@ def providers_file(settings: Settings, path: Path) -> Path:
         lines += [f"{key} = {json.dumps(value)}" for key, value in instance.options.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def embedded_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """environ without the operator's Temporal configuration: the embedded stack's processes reach its own dev
+    server in plain text, whatever TLS, API key or profile the shell sets for a production cluster."""
+    kept = {name: value for name, value in environ.items() if not name.startswith("TEMPORAL_")}
+    return {**kept, "TEMPORAL_CONFIG_FILE": os.devnull}
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
@@ -244,7 +252,7 @@ class Child:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**embedded_environment(os.environ), **(env or {})},
             # Own session: a Ctrl-C reaches only us, and we stop children in order.
             start_new_session=True,
         )
@@ -504,6 +512,7 @@ class DevStack:
 
     @staticmethod
     async def temporal_client(settings: Settings) -> Client:
+        assert settings.temporal_address is not None and settings.temporal_namespace is not None
         client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
         await client.count_workflows()
         return client

@@ -1,0 +1,175 @@
+"""Where Shepherd's processes find Temporal: the Temporal CLI's own configuration, Shepherd's settings over it.
+
+The `TEMPORAL_*` environment variables and the profiles of `temporal.toml` (`TEMPORAL_CONFIG_FILE`,
+`TEMPORAL_PROFILE`) give the address, the namespace, TLS (server CA, server name, client certificate and key),
+an API key and gRPC metadata, as they do to the Temporal CLI and SDKs. Shepherd's `temporal_address` and
+`temporal_namespace`, when set, win over them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from temporalio.envconfig import ClientConfigProfile, ClientConfigTLS
+from temporalio.service import TLSConfig
+
+from foundation.settings import Settings
+
+DEFAULT_ADDRESS = "localhost:7233"
+DEFAULT_NAMESPACE = "default"
+# Where the Temporal CLI looks for its configuration unless TEMPORAL_CONFIG_FILE says otherwise.
+DEFAULT_CONFIG_FILE = "~/.config/temporalio/temporal.toml"
+
+# Each part of a connection and the variables that can set it, for telling where it came from.
+_VARIABLES = {
+    "address": ("TEMPORAL_ADDRESS",),
+    "namespace": ("TEMPORAL_NAMESPACE",),
+    "api_key": ("TEMPORAL_API_KEY",),
+    "tls": ("TEMPORAL_TLS",),
+    "tls_server_name": ("TEMPORAL_TLS_SERVER_NAME",),
+    "tls_server_ca": ("TEMPORAL_TLS_SERVER_CA_CERT_PATH", "TEMPORAL_TLS_SERVER_CA_CERT_DATA"),
+    "tls_client_certificate": ("TEMPORAL_TLS_CLIENT_CERT_PATH", "TEMPORAL_TLS_CLIENT_CERT_DATA"),
+    "tls_client_key": ("TEMPORAL_TLS_CLIENT_KEY_PATH", "TEMPORAL_TLS_CLIENT_KEY_DATA"),
+}
+
+
+class TemporalConfigError(Exception):
+    """The Temporal client configuration cannot be used; the message names what and where to fix it."""
+
+
+@dataclass(frozen=True)
+class TemporalConnection:
+    """How to reach Temporal, and where each part came from ("default" where nothing set it)."""
+
+    address: str
+    namespace: str
+    api_key: str | None = None
+    tls: ClientConfigTLS | None = None
+    rpc_metadata: Mapping[str, str] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def source(self, part: str) -> str:
+        return self.sources.get(part, "default")
+
+    @property
+    def uses_tls(self) -> bool:
+        if self.tls is not None and self.tls.disabled is not None:
+            return not self.tls.disabled
+        # An API key or any TLS material turns TLS on, as it does for the Temporal CLI.
+        return self.api_key is not None or self.tls is not None
+
+    def connect_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of Client.connect; TemporalConfigError naming a certificate or key it cannot read."""
+        arguments: dict[str, Any] = {"target_host": self.address, "namespace": self.namespace}
+        if self.api_key is not None:
+            arguments["api_key"] = self.api_key
+        if self.rpc_metadata:
+            arguments["rpc_metadata"] = dict(self.rpc_metadata)
+        if not self.uses_tls:
+            return arguments
+        tls = self.tls or ClientConfigTLS()
+        arguments["tls"] = TLSConfig(
+            domain=tls.server_name,
+            server_root_ca_cert=self._read("tls_server_ca", "the TLS server CA certificate", tls.server_root_ca_cert),
+            client_cert=self._read("tls_client_certificate", "the TLS client certificate", tls.client_cert),
+            client_private_key=self._read("tls_client_key", "the TLS client key", tls.client_private_key),
+        )
+        return arguments
+
+    def described(self) -> list[tuple[str, str, str]]:
+        """(part, value, source) of every part, for `shepherd config`: key material and API keys hidden."""
+        tls = self.tls or ClientConfigTLS()
+        parts = [
+            ("address", self.address, self.source("address")),
+            ("namespace", self.namespace, self.source("namespace")),
+            ("tls", "on" if self.uses_tls else "off", self.source("tls")),
+            ("tls_server_name", tls.server_name or "", self.source("tls_server_name")),
+            ("tls_server_ca", _shown(tls.server_root_ca_cert, "system trust store"), self.source("tls_server_ca")),
+            ("tls_client_certificate", _shown(tls.client_cert, ""), self.source("tls_client_certificate")),
+            ("tls_client_key", _shown(tls.client_private_key, "", secret=True), self.source("tls_client_key")),
+            ("api_key", "***" if self.api_key else "", self.source("api_key")),
+        ]
+        parts += [(f"grpc_meta.{key}", "***", self.source("grpc_meta")) for key in sorted(self.rpc_metadata)]
+        return [(part, value, source) for part, value, source in parts if value or part in ("address", "namespace")]
+
+    def _read(self, part: str, what: str, source: str | bytes | Path | None) -> bytes | None:
+        if source is None or isinstance(source, bytes):
+            return source
+        if isinstance(source, str):
+            return source.encode()
+        try:
+            return source.read_bytes()
+        except OSError as error:
+            raise TemporalConfigError(
+                f"cannot read {what} at {source} ({self.source(part)}): {error.strerror or error}"
+            ) from None
+
+
+def _shown(source: str | bytes | Path | None, unset: str, *, secret: bool = False) -> str:
+    if source is None:
+        return unset
+    if isinstance(source, Path):
+        return str(source)
+    return "(inline, hidden)" if secret else "(inline PEM)"
+
+
+def load_temporal_connection(settings: Settings, environ: Mapping[str, str] | None = None) -> TemporalConnection:
+    """The connection in effect: the Temporal configuration in environ (the process's by default), then
+    Shepherd's temporal_address and temporal_namespace where set; TemporalConfigError naming what is wrong."""
+    environ = os.environ if environ is None else environ
+    profile_name = environ.get("TEMPORAL_PROFILE") or None
+    config_file = environ.get("TEMPORAL_CONFIG_FILE") or DEFAULT_CONFIG_FILE
+    where = f"profile {profile_name or 'default'} of {config_file}"
+    try:
+        profile = ClientConfigProfile.load(profile_name, override_env_vars=dict(environ))
+    except Exception as error:  # the SDK's ConfigError, raised from its native loader
+        raise TemporalConfigError(
+            f"cannot use the Temporal client configuration ({where}; TEMPORAL_CONFIG_FILE, TEMPORAL_PROFILE): {error}"
+        ) from None
+
+    sources: dict[str, str] = {}
+
+    def origin(part: str, value: object) -> None:
+        if value is None or value == {}:
+            return
+        variables = [name for name in _VARIABLES.get(part, ()) if environ.get(name)]
+        sources[part] = f"environment {variables[0]}" if variables else where
+
+    tls = profile.tls
+    origin("address", profile.address)
+    origin("namespace", profile.namespace)
+    origin("api_key", profile.api_key)
+    if tls is not None:
+        origin("tls", tls.disabled)
+        origin("tls_server_name", tls.server_name)
+        origin("tls_server_ca", tls.server_root_ca_cert)
+        origin("tls_client_certificate", tls.client_cert)
+        origin("tls_client_key", tls.client_private_key)
+    if profile.grpc_meta:
+        meta = [name for name in environ if name.startswith("TEMPORAL_GRPC_META_")]
+        sources["grpc_meta"] = f"environment {meta[0]}" if meta else where
+
+    address, namespace = profile.address or DEFAULT_ADDRESS, profile.namespace or DEFAULT_NAMESPACE
+    if settings.temporal_address is not None:
+        address, sources["address"] = settings.temporal_address, "Shepherd setting temporal_address"
+    if settings.temporal_namespace is not None:
+        namespace, sources["namespace"] = settings.temporal_namespace, "Shepherd setting temporal_namespace"
+    if tls is not None and (tls.client_cert is None) != (tls.client_private_key is None):
+        given, missing = ("certificate", "key") if tls.client_cert is not None else ("key", "certificate")
+        raise TemporalConfigError(
+            f"a TLS client {given} ({sources[f'tls_client_{given}']}) needs its {missing}: set "
+            f"TEMPORAL_TLS_CLIENT_{'CERT' if missing == 'certificate' else 'KEY'}_PATH, or client_"
+            f"{'cert' if missing == 'certificate' else 'key'}_path in the profile's [tls]"
+        )
+    return TemporalConnection(
+        address=address,
+        namespace=namespace,
+        api_key=profile.api_key,
+        tls=tls,
+        rpc_metadata=dict(profile.grpc_meta),
+        sources=sources,
+    )

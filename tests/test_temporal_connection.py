@@ -1,0 +1,126 @@
+"""The Temporal connection from the Temporal CLI's configuration (TEMPORAL_*, temporal.toml), Shepherd's over it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from foundation.settings import Settings
+from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
+from tests.test_cli import shepherd
+
+NOWHERE = {"TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml"}
+
+
+def write_profiles(tmp_path: Path, text: str) -> dict[str, str]:
+    path = tmp_path / "temporal.toml"
+    path.write_text(text)
+    return {"TEMPORAL_CONFIG_FILE": str(path)}
+
+
+def test_nothing_configured_means_the_local_default():
+    connection = load_temporal_connection(Settings(), NOWHERE)
+    assert (connection.address, connection.namespace, connection.uses_tls) == ("localhost:7233", "default", False)
+    assert connection.source("address") == "default"
+    assert connection.connect_arguments() == {"target_host": "localhost:7233", "namespace": "default"}
+
+
+def test_the_temporal_variables_give_the_connection_and_shepherds_settings_win():
+    environ = {**NOWHERE, "TEMPORAL_ADDRESS": "temporal.example.net:7233", "TEMPORAL_NAMESPACE": "fleet"}
+    connection = load_temporal_connection(Settings(), environ)
+    assert (connection.address, connection.namespace) == ("temporal.example.net:7233", "fleet")
+    assert connection.source("address") == "environment TEMPORAL_ADDRESS"
+
+    ours = load_temporal_connection(Settings(temporal_namespace="shepherd"), environ)
+    assert (ours.address, ours.namespace) == ("temporal.example.net:7233", "shepherd")
+    assert ours.source("namespace") == "Shepherd setting temporal_namespace"
+
+
+def test_a_profile_gives_mutual_tls_and_the_variables_override_it(tmp_path):
+    for name in ("ca.pem", "client.pem", "client.key"):
+        (tmp_path / name).write_text(f"-----BEGIN {name}-----\n")
+    environ = write_profiles(
+        tmp_path,
+        '[profile.prod]\naddress = "temporal.internal:7233"\nnamespace = "prod"\n'
+        f'[profile.prod.tls]\nserver_name = "temporal.internal"\nserver_ca_cert_path = "{tmp_path}/ca.pem"\n'
+        f'client_cert_path = "{tmp_path}/client.pem"\nclient_key_path = "{tmp_path}/client.key"\n',
+    )
+    connection = load_temporal_connection(
+        Settings(), {**environ, "TEMPORAL_PROFILE": "prod", "TEMPORAL_NAMESPACE": "other"}
+    )
+    assert (connection.address, connection.namespace, connection.uses_tls) == ("temporal.internal:7233", "other", True)
+    assert connection.source("address") == f"profile prod of {environ['TEMPORAL_CONFIG_FILE']}"
+    assert connection.source("namespace") == "environment TEMPORAL_NAMESPACE"
+    tls = connection.connect_arguments()["tls"]
+    assert tls.domain == "temporal.internal"
+    assert tls.server_root_ca_cert == b"-----BEGIN ca.pem-----\n"
+    assert tls.client_private_key == b"-----BEGIN client.key-----\n"
+    described = {part: (value, source) for part, value, source in connection.described()}
+    assert described["tls_client_key"] == (f"{tmp_path}/client.key", connection.source("address"))
+
+
+def test_an_api_key_turns_tls_on_and_is_never_shown():
+    connection = load_temporal_connection(
+        Settings(), {**NOWHERE, "TEMPORAL_API_KEY": "sekrit-key", "TEMPORAL_GRPC_META_X_TEAM": "fleet"}
+    )
+    arguments = connection.connect_arguments()
+    assert arguments["api_key"] == "sekrit-key" and arguments["rpc_metadata"] == {"x-team": "fleet"}
+    assert arguments["tls"].server_root_ca_cert is None, "the system trust store"
+    assert "sekrit-key" not in repr(connection.described())
+    assert ("api_key", "***", "environment TEMPORAL_API_KEY") in connection.described()
+
+
+@pytest.mark.parametrize(
+    ("environ", "problem"),
+    [
+        ({"TEMPORAL_PROFILE": "prod"}, "Profile 'prod' not found"),
+        ({"TEMPORAL_TLS_CLIENT_CERT_PATH": "/etc/shepherd/client.pem"}, "needs its key: set TEMPORAL_TLS_CLIENT_KEY"),
+        ({"TEMPORAL_TLS_CLIENT_KEY_PATH": "/etc/shepherd/client.key"}, "needs its certificate: set TEMPORAL_TLS"),
+    ],
+)
+def test_an_unusable_configuration_is_one_error_naming_what_to_fix(environ, problem):
+    with pytest.raises(TemporalConfigError, match=problem):
+        load_temporal_connection(Settings(), {**NOWHERE, **environ})
+
+
+def test_a_broken_profile_file_is_named(tmp_path):
+    environ = write_profiles(tmp_path, "[profile.prod\n")
+    with pytest.raises(TemporalConfigError, match=r"TEMPORAL_CONFIG_FILE.*TOML parse error"):
+        load_temporal_connection(Settings(), environ)
+
+
+def test_a_certificate_that_cannot_be_read_names_its_variable():
+    environ = {**NOWHERE, "TEMPORAL_TLS_SERVER_CA_CERT_PATH": "/nonexistent/ca.pem"}
+    connection = load_temporal_connection(Settings(), environ)
+    with pytest.raises(TemporalConfigError) as caught:
+        connection.connect_arguments()
+    assert str(caught.value) == (
+        "cannot read the TLS server CA certificate at /nonexistent/ca.pem (environment "
+        "TEMPORAL_TLS_SERVER_CA_CERT_PATH): No such file or directory"
+    )
+
+
+async def test_commands_reach_temporal_through_the_temporal_variables_alone(temporal_env, shepherd_cli, bmdb_url):
+    environ = {
+        **NOWHERE,
+        "TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
+        "TEMPORAL_NAMESPACE": temporal_env.client.namespace,
+        "SHEPHERD_DATABASE_URL": bmdb_url,
+    }
+    code, _, err = await shepherd_cli(environ, "machines")
+    assert code == 0, err
+    code, _, err = await shepherd_cli({**environ, "TEMPORAL_ADDRESS": "127.0.0.1:1"}, "machines")
+    assert code == 1 and "cannot reach Temporal at 127.0.0.1:1 (environment TEMPORAL_ADDRESS)" in err
+
+
+def test_config_shows_the_connection_and_where_each_part_came_from(tmp_path):
+    environ = {**NOWHERE, "TEMPORAL_ADDRESS": "t.example.net:7233", "TEMPORAL_API_KEY": "sekrit"}
+    result = shepherd("config", env=environ)
+    assert result.returncode == 0, result.stderr
+    assert "#   address = t.example.net:7233  (environment TEMPORAL_ADDRESS)" in result.stdout
+    assert "#   api_key = ***  (environment TEMPORAL_API_KEY)" in result.stdout
+    assert "sekrit" not in result.stdout
+    shown = json.loads(shepherd("config", "--json", env=environ).stdout)
+    assert {"part": "namespace", "value": "default", "source": "default"} in shown["temporal_connection"]
