@@ -1,5 +1,3 @@
-import sys
+from shepherd.cli import run_and_exit
 
-from shepherd.cli import main
-
-sys.exit(main())
+run_and_exit()

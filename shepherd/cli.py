@@ -8,9 +8,11 @@ the problem and a non-zero exit code: 1 when the command could not do its job,
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from temporalio.service import RPCError
 
@@ -68,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.register(commands)
     return parser
+
+
+def run_and_exit() -> NoReturn:
+    """The `shepherd` executable: main, then leave without the interpreter's finalization.
+
+    The Temporal SDK's native threads outlive every client and cannot be stopped; when one calls back into
+    Python while the interpreter finalizes, the process aborts ("Fatal Python error: PyGILState_Release")
+    instead of exiting with its status. Every command has closed what it opened by now, so what finalization
+    would still do is flush the standard streams and the log handlers: done here.
+    """
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -206,3 +206,22 @@ def test_config_prints_the_effective_settings_with_the_password_hidden(tmp_path)
     assert refused.returncode == 2 and refused.stdout == ""
     unknown = "setting max_machine (SHEPHERD_MAX_MACHINE): is not a setting Shepherd knows"
     assert refused.stderr == f"shepherd config: {unknown} (in {config})\n"
+
+
+async def test_a_refused_start_exits_1_with_its_line_never_a_fatal_error(agent_env, temporal_env):
+    # Refused after connecting: the SDK's native threads are alive, and an interpreter finalizing beside them
+    # used to abort now and then ("Fatal Python error: PyGILState_Release", status 134). Several tries, since
+    # it did not happen every time.
+    env = {
+        **agent_env,
+        "SHEPHERD_TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
+        "SHEPHERD_TEMPORAL_NAMESPACE": "no-such-namespace",
+        "SHEPHERD_METRICS_LISTEN": "127.0.0.1:0",
+    }
+    for _ in range(8):
+        result = await asyncio.to_thread(shepherd, "worker", env=env)
+        assert (result.returncode, result.stdout) == (1, ""), result.stderr
+        assert result.stderr.splitlines() == [
+            "shepherd worker: cannot list the search attributes of namespace 'no-such-namespace': "
+            "Namespace no-such-namespace is not found."
+        ]
