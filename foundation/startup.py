@@ -34,7 +34,7 @@ async def connect_temporal(settings: Settings, runtime: Runtime | None = None) -
     except Exception as error:
         raise StartupError(
             f"cannot reach Temporal at {connection.address} ({connection.source('address')}), "
-            f"namespace {connection.namespace!r}: {error}"
+            f"namespace {connection.namespace!r}: {connection.explain(error)}"
         ) from error
 
 

@@ -9,11 +9,14 @@ an API key and gRPC metadata, as they do to the Temporal CLI and SDKs. Shepherd'
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from temporalio.envconfig import ClientConfigProfile, ClientConfigTLS
 from temporalio.service import TLSConfig
 
@@ -72,13 +75,87 @@ class TemporalConnection:
         if not self.uses_tls:
             return arguments
         tls = self.tls or ClientConfigTLS()
+        client_certificate = self._read("tls_client_certificate", "the TLS client certificate", tls.client_cert)
+        if client_certificate is not None:
+            self._check_validity(client_certificate)
         arguments["tls"] = TLSConfig(
             domain=tls.server_name,
             server_root_ca_cert=self._read("tls_server_ca", "the TLS server CA certificate", tls.server_root_ca_cert),
-            client_cert=self._read("tls_client_certificate", "the TLS client certificate", tls.client_cert),
+            client_cert=client_certificate,
             client_private_key=self._read("tls_client_key", "the TLS client key", tls.client_private_key),
         )
         return arguments
+
+    def explain(self, error: BaseException) -> str:
+        """One line on why connecting failed and which setting to look at, from the SDK's error text."""
+        text = str(error)
+        tls = self.tls or ClientConfigTLS()
+        ca = _shown(tls.server_root_ca_cert, "the system trust store")
+        ca_setting = self._where("tls_server_ca", "TEMPORAL_TLS_SERVER_CA_CERT_PATH")
+        if "ConnectionRefused" in text or "Connection refused" in text:
+            return f"nothing listens at {self.address} (connection refused): is Temporal's frontend there?"
+        if "failed to lookup address" in text or "Name or service not known" in text:
+            return f"cannot resolve the host of {self.address}: check the address"
+        if "UnknownIssuer" in text or "certificate verify failed" in text:
+            return (
+                f"the server's certificate is not signed by a CA in {ca} ({ca_setting}): give the CA that "
+                "issued the server's certificate"
+            )
+        if "NotValidForName" in text:
+            names = re.findall(r'DnsName\(\\?"([^"\\]+)', text.split("presented", 1)[-1])
+            expected = tls.server_name or self.address.rsplit(":", 1)[0]
+            return (
+                f"the server's certificate is for {', '.join(names) or 'other names'}, not {expected} "
+                f"({self._where('tls_server_name', 'TEMPORAL_TLS_SERVER_NAME')}): set the server name to one of them"
+            )
+        if "Expired" in text and "InvalidCertificate" in text:
+            return f"the server's certificate has expired (checked against {ca}): the server must renew it"
+        if "InvalidContentType" in text or "CorruptMessage" in text:
+            return f"{self.address} does not answer TLS: turn TLS off (TEMPORAL_TLS=false), or give the TLS address"
+        refused = "400 Bad Request" in text or "CertificateRequired" in text or "BadCertificate" in text
+        if refused and self.uses_tls and tls.client_cert is None:
+            return (
+                "the server demands a client certificate (mutual TLS): set TEMPORAL_TLS_CLIENT_CERT_PATH and "
+                "TEMPORAL_TLS_CLIENT_KEY_PATH, or client_cert_path and client_key_path in the profile's [tls]"
+            )
+        if refused and tls.client_cert is not None:
+            return (
+                f"the server refused the client certificate {_shown(tls.client_cert, '')} "
+                f"({self.source('tls_client_certificate')}): it is not issued by a CA the server trusts, or revoked"
+            )
+        if "401" in text or "Unauthenticated" in text or "PermissionDenied" in text:
+            if self.api_key is not None:
+                return f"the server refused the API key ({self.source('api_key')}): check TEMPORAL_API_KEY"
+            return "the server demands credentials: an API key (TEMPORAL_API_KEY) or a client certificate"
+        return text
+
+    def _where(self, part: str, variable: str) -> str:
+        source = self.source(part)
+        return source if variable in source else f"{source}; {variable}"
+
+    def _check_validity(self, pem: bytes) -> None:
+        """A client certificate out of its validity is refused by every server: say so before connecting."""
+        try:
+            certificate = x509.load_pem_x509_certificate(pem)
+        except ValueError as error:
+            raise TemporalConfigError(
+                f"the TLS client certificate ({self.source('tls_client_certificate')}) is not a PEM certificate: "
+                f"{error}"
+            ) from None
+        now = datetime.now(UTC)
+        where = (
+            f"{_shown((self.tls or ClientConfigTLS()).client_cert, 'inline')}, {self.source('tls_client_certificate')}"
+        )
+        if certificate.not_valid_after_utc < now:
+            raise TemporalConfigError(
+                f"the TLS client certificate ({where}) expired on "
+                f"{certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: renew it"
+            )
+        if certificate.not_valid_before_utc > now:
+            raise TemporalConfigError(
+                f"the TLS client certificate ({where}) is valid only from "
+                f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC: check this host's clock"
+            )
 
     def described(self) -> list[tuple[str, str, str]]:
         """(part, value, source) of every part, for `shepherd config`: key material and API keys hidden."""

@@ -9,6 +9,7 @@ import pytest
 
 from foundation.settings import Settings
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
+from tests.temporal_proxy import make_certificates
 from tests.test_cli import shepherd
 
 NOWHERE = {"TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml"}
@@ -39,13 +40,12 @@ def test_the_temporal_variables_give_the_connection_and_shepherds_settings_win()
 
 
 def test_a_profile_gives_mutual_tls_and_the_variables_override_it(tmp_path):
-    for name in ("ca.pem", "client.pem", "client.key"):
-        (tmp_path / name).write_text(f"-----BEGIN {name}-----\n")
+    issued = make_certificates(tmp_path / "certificates")
     environ = write_profiles(
         tmp_path,
         '[profile.prod]\naddress = "temporal.internal:7233"\nnamespace = "prod"\n'
-        f'[profile.prod.tls]\nserver_name = "temporal.internal"\nserver_ca_cert_path = "{tmp_path}/ca.pem"\n'
-        f'client_cert_path = "{tmp_path}/client.pem"\nclient_key_path = "{tmp_path}/client.key"\n',
+        f'[profile.prod.tls]\nserver_name = "temporal.internal"\nserver_ca_cert_path = "{issued.ca}"\n'
+        f'client_cert_path = "{issued.client.certificate}"\nclient_key_path = "{issued.client.key}"\n',
     )
     connection = load_temporal_connection(
         Settings(), {**environ, "TEMPORAL_PROFILE": "prod", "TEMPORAL_NAMESPACE": "other"}
@@ -55,10 +55,10 @@ def test_a_profile_gives_mutual_tls_and_the_variables_override_it(tmp_path):
     assert connection.source("namespace") == "environment TEMPORAL_NAMESPACE"
     tls = connection.connect_arguments()["tls"]
     assert tls.domain == "temporal.internal"
-    assert tls.server_root_ca_cert == b"-----BEGIN ca.pem-----\n"
-    assert tls.client_private_key == b"-----BEGIN client.key-----\n"
+    assert tls.server_root_ca_cert == issued.ca.read_bytes()
+    assert tls.client_private_key == issued.client.key.read_bytes()
     described = {part: (value, source) for part, value, source in connection.described()}
-    assert described["tls_client_key"] == (f"{tmp_path}/client.key", connection.source("address"))
+    assert described["tls_client_key"] == (str(issued.client.key), connection.source("address"))
 
 
 def test_an_api_key_turns_tls_on_and_is_never_shown():
