@@ -8,13 +8,14 @@ a machine through its BMC (Redfish) when the inventory names one.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
 import re
 import stat
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,6 +111,17 @@ def _password_file_problem(path: Path) -> str | None:
     if mode & 0o077:
         return f"is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
     return None
+
+
+def _password_file_refusal(inventory: Path, provider: str, machine: InventoryMachine) -> InventoryError | None:
+    """Why the machine's BMC password file cannot serve, as load_inventory words it; None when it can."""
+    if machine.bmc is None or machine.bmc.password_file is None:
+        return None
+    unusable = _password_file_problem(machine.bmc.password_file)
+    if unusable is None:
+        return None
+    where = f"inventory {inventory}" + (f" line {machine.line}" if machine.line else "") + f" machine {machine.id!r}"
+    return InventoryError(provider, f"{where}: BMC password file {machine.bmc.password_file} {unusable}")
 
 
 def _read_secret(path: Path, where: str, provider: str) -> str:
@@ -210,10 +222,9 @@ def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachin
         if machine.id in seen:
             first = f"line {seen[machine.id]}" if seen[machine.id] else "an earlier table"
             raise refuse(f"duplicate id, first listed at {first}", line, machine.id)
-        if machine.bmc is not None and machine.bmc.password_file is not None:
-            unusable = _password_file_problem(machine.bmc.password_file)
-            if unusable:
-                raise refuse(f"BMC password file {machine.bmc.password_file} {unusable}", line, machine.id)
+        refusal = _password_file_refusal(path, provider, machine)
+        if refusal is not None:
+            raise refusal
         seen[machine.id] = line
         machines.append(machine)
     return machines
@@ -355,6 +366,7 @@ class StaticProvider:
         self._name = name
         self.inventory = inventory
         self._power: Callable[[str, RedfishEndpoint], PowerControl] = power or RedfishPowerControl
+        self._parsed: tuple[tuple[int, int, int, int], dict[str, InventoryMachine]] | None = None
 
     @property
     def name(self) -> str:
@@ -363,25 +375,54 @@ class StaticProvider:
     def is_valid_id(self, provider_id: str) -> bool:
         return _ID.fullmatch(provider_id) is not None
 
-    def _listed(self, provider_id: str) -> InventoryMachine:
-        # Read on every call: the operator edits the file between passes. A small local file, read whole.
-        for machine in load_inventory(self.inventory, self._name):
-            if machine.id == provider_id:
-                return machine
-        raise MachineNotFound(self._name, provider_id)
+    def _current(self) -> dict[str, InventoryMachine]:
+        """The inventory's machines by id, parsed again only when the file changed: the operator edits it between
+        passes, and at 100,000 machines a parse takes over a second."""
+        status = self.inventory.stat()
+        version = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+        cached = self._parsed
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        machines = {machine.id: machine for machine in load_inventory(self.inventory, self._name)}
+        self._parsed = (version, machines)
+        return machines
+
+    async def _machines(self) -> dict[str, InventoryMachine]:
+        # Off the event loop: a parse of a large inventory would stall every activity of the worker meanwhile.
+        try:
+            return await asyncio.to_thread(self._current)
+        except OSError:
+            # A file that cannot be read: load_inventory says what is wrong with it, as the operator's problem.
+            return {machine.id: machine for machine in load_inventory(self.inventory, self._name)}
+
+    async def _listed(self, provider_id: str) -> InventoryMachine:
+        machine = (await self._machines()).get(provider_id)
+        if machine is None:
+            raise MachineNotFound(self._name, provider_id)
+        return machine
 
     async def list_machines(self) -> list[ProviderMachine]:
-        return [machine.provider_machine() for machine in load_inventory(self.inventory, self._name)]
+        machines = await self._machines()
+        # Every pass checks the password files, whether the inventory changed or not: a file made readable by
+        # others stops the pass at once, not only the next reboot.
+        await asyncio.to_thread(self._check_password_files, machines.values())
+        return [machine.provider_machine() for machine in machines.values()]
+
+    def _check_password_files(self, machines: Iterable[InventoryMachine]) -> None:
+        for machine in machines:
+            refusal = _password_file_refusal(self.inventory, self._name, machine)
+            if refusal is not None:
+                raise refusal
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
-        return self._listed(provider_id).provider_machine()
+        return (await self._listed(provider_id)).provider_machine()
 
     async def create_machine(self, provider_id: str, idempotency_key: str, ssh_public_key: str) -> ProviderMachine:
         # Nothing to create: the operator owns the machine and has put Shepherd's key in authorized_keys.
-        return self._listed(provider_id).provider_machine()
+        return (await self._listed(provider_id)).provider_machine()
 
     async def reboot_machine(self, provider_id: str) -> Rebooted:
-        machine = self._listed(provider_id)
+        machine = await self._listed(provider_id)
         if machine.bmc is None:
             raise NoBMC(
                 self._name, f"machine {provider_id!r} has no BMC in the inventory {self.inventory}; reboot it by hand"
@@ -400,7 +441,7 @@ class StaticProvider:
 
     async def retire_machine(self, provider_id: str) -> Retired:
         try:
-            machine = self._listed(provider_id)
+            machine = await self._listed(provider_id)
         except MachineNotFound:
             return Retired(RetireAction.UNTOUCHED, f"{provider_id} is not in the inventory {self.inventory} any more")
         keep_out = f"take {provider_id} out of the inventory {self.inventory}"

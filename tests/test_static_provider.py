@@ -221,7 +221,7 @@ async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
     await provider.close()
 
 
-async def test_the_inventory_is_read_again_on_every_call(tmp_path: Path) -> None:
+async def test_the_inventory_is_read_again_whenever_it_changes(tmp_path: Path) -> None:
     path = good_inventory(tmp_path)
     provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
     assert len(await provider.list_machines()) == 4
@@ -238,6 +238,26 @@ async def test_the_inventory_is_read_again_on_every_call(tmp_path: Path) -> None
     write(path, "[[machines]]\nid = 1\n")
     with pytest.raises(InventoryError, match="line 1: id must match"):
         await provider.list_machines()
+
+
+async def test_an_unchanged_inventory_is_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fleet's inventory runs to 100,000 machines; every takeover asks the provider for its machine.
+    path = good_inventory(tmp_path)
+    parses = []
+
+    def counted(*args, **kwargs):
+        parses.append(args)
+        return load_inventory(*args, **kwargs)
+
+    monkeypatch.setattr("providers.static.load_inventory", counted)
+    provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
+    assert len(await provider.list_machines()) == 4
+    assert (await provider.get_machine("rack1-node02")).ssh_port == 2222
+    await provider.create_machine("node.03_b", "key", "ssh-ed25519 AAAA")
+    assert len(parses) == 1
+    write(path, GOOD + "\n# a comment the operator added\n")
+    assert len(await provider.list_machines()) == 4
+    assert len(parses) == 2
 
 
 class FakePowerControl:
@@ -400,3 +420,14 @@ def test_a_missing_password_file_refuses_the_inventory_naming_line_and_machine(t
         f"provider static: inventory {inventory} line 2 machine 'rack1-node01': "
         f"BMC password file {tmp_path / 'nowhere'} cannot be read: No such file or directory"
     )
+
+
+async def test_a_password_file_made_readable_by_others_stops_the_next_pass_of_an_unchanged_inventory(
+    tmp_path: Path,
+) -> None:
+    path = good_inventory(tmp_path)
+    provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
+    assert len(await provider.list_machines()) == 4
+    (tmp_path / "bmc" / "rack1-node01").chmod(0o644)
+    with pytest.raises(InventoryError, match=r"line \d+ machine 'rack1-node01': BMC password file .* is readable by"):
+        await provider.list_machines()
