@@ -33,6 +33,65 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
+def subject_alternative_name(host: str) -> x509.GeneralName:
+    """An IP address entry for an address, a DNS name entry for anything else."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+class CertificateAuthority:
+    """A private CA that issues certificates: the embedded stack's, and the tests' of every kind."""
+
+    def __init__(self, common_name: str, not_before: datetime.datetime, not_after: datetime.datetime) -> None:
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self._certificate = (
+            x509.CertificateBuilder()
+            .subject_name(_name(common_name))
+            .issuer_name(_name(common_name))
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+
+    @property
+    def certificate_pem(self) -> bytes:
+        return self._certificate.public_bytes(serialization.Encoding.PEM)
+
+    def issue(
+        self,
+        common_name: str,
+        not_before: datetime.datetime,
+        not_after: datetime.datetime,
+        alt_name: x509.GeneralName | None = None,
+    ) -> tuple[bytes, bytes]:
+        """(certificate, private key) in PEM, for a server when alt_name names it, for a client otherwise."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(common_name))
+            .issuer_name(self._certificate.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(not_before)
+            .not_valid_after(not_after)
+        )
+        if alt_name is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName([alt_name]), critical=False)
+        certificate = builder.sign(self._key, hashes.SHA256())
+        return certificate.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
 def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertificates:
     """The CA and server certificate in directory, issued for host the first time."""
     paths = LocalCertificates(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem")
@@ -40,40 +99,12 @@ def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertifi
         return paths
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(_name("Shepherd local CA"))
-        .issuer_name(_name("Shepherd local CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=3650))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    try:
-        alt_name: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
-    except ValueError:
-        alt_name = x509.DNSName(host)
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(_name(host))
-        .issuer_name(ca.subject)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=3650))
-        .add_extension(x509.SubjectAlternativeName([alt_name]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    replace_file(paths.ca_certificate, ca.public_bytes(serialization.Encoding.PEM), 0o644)
-    replace_file(paths.server_certificate, server.public_bytes(serialization.Encoding.PEM), 0o644)
-    key_pem = server_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    replace_file(paths.server_key, key_pem, 0o600)
+    valid_from, valid_until = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=3650)
+    authority = CertificateAuthority("Shepherd local CA", valid_from, valid_until)
+    server, server_key = authority.issue(host, valid_from, valid_until, subject_alternative_name(host))
+    replace_file(paths.ca_certificate, authority.certificate_pem, 0o644)
+    replace_file(paths.server_certificate, server, 0o644)
+    replace_file(paths.server_key, server_key, 0o600)
     return paths
 
 

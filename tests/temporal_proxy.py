@@ -1,7 +1,7 @@
 """nginx (Debian's nginx-light) in front of a Temporal server as a gRPC proxy that demands client certificates.
 
-The certificates are made here: a CA for the proxy's server certificate and the clients, one client certificate
-it accepts, one expired, one from another CA, and that other CA.
+The certificates are made here, by foundation.tls's CertificateAuthority: a CA for the proxy's server certificate
+and the clients, one client certificate it accepts, one expired, one from another CA, and that other CA.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from foundation.tls import CertificateAuthority, subject_alternative_name
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 SERVER_NAME = "temporal.test"
@@ -39,73 +36,38 @@ class ProxyCertificates:
     stranger_client: Issued
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-class _Authority:
-    def __init__(self, name: str) -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        self.certificate = (
-            x509.CertificateBuilder()
-            .subject_name(_name(name))
-            .issuer_name(_name(name))
-            .public_key(self.key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(self.key, hashes.SHA256())
-        )
-
-    def write(self, path: Path) -> Path:
-        path.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
-        return path
-
-    def issue(self, directory: Path, name: str, *, server: bool = False, expired: bool = False) -> Issued:
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        start, end = (
-            (now - datetime.timedelta(days=10), now - datetime.timedelta(days=1))
-            if expired
-            else (
-                now - datetime.timedelta(days=1),
-                now + datetime.timedelta(days=30),
-            )
-        )
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(_name(name))
-            .issuer_name(self.certificate.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start)
-            .not_valid_after(end)
-        )
-        if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-        certificate = builder.sign(self.key, hashes.SHA256())
-        issued = Issued(directory / f"{name}.pem", directory / f"{name}.key")
-        issued.certificate.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-        issued.key.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-        return issued
+def _issue(
+    authority: CertificateAuthority, directory: Path, name: str, *, server: bool = False, expired: bool = False
+) -> Issued:
+    now = datetime.datetime.now(datetime.UTC)
+    if expired:
+        valid_from, valid_until = now - datetime.timedelta(days=10), now - datetime.timedelta(days=1)
+    else:
+        valid_from, valid_until = now - datetime.timedelta(days=1), now + datetime.timedelta(days=30)
+    certificate, key = authority.issue(
+        name, valid_from, valid_until, subject_alternative_name(name) if server else None
+    )
+    issued = Issued(directory / f"{name}.pem", directory / f"{name}.key")
+    issued.certificate.write_bytes(certificate)
+    issued.key.write_bytes(key)
+    return issued
 
 
 def make_certificates(directory: Path) -> ProxyCertificates:
     directory.mkdir(parents=True, exist_ok=True)
-    authority, other = _Authority("fleet CA"), _Authority("someone else's CA")
+    now = datetime.datetime.now(datetime.UTC)
+    valid_from, valid_until = now - datetime.timedelta(days=1), now + datetime.timedelta(days=30)
+    authority = CertificateAuthority("fleet CA", valid_from, valid_until)
+    other = CertificateAuthority("someone else's CA", valid_from, valid_until)
+    (directory / "ca.pem").write_bytes(authority.certificate_pem)
+    (directory / "other-ca.pem").write_bytes(other.certificate_pem)
     return ProxyCertificates(
-        ca=authority.write(directory / "ca.pem"),
-        other_ca=other.write(directory / "other-ca.pem"),
-        server=authority.issue(directory, SERVER_NAME, server=True),
-        client=authority.issue(directory, "worker"),
-        expired_client=authority.issue(directory, "expired-worker", expired=True),
-        stranger_client=other.issue(directory, "stranger"),
+        ca=directory / "ca.pem",
+        other_ca=directory / "other-ca.pem",
+        server=_issue(authority, directory, SERVER_NAME, server=True),
+        client=_issue(authority, directory, "worker"),
+        expired_client=_issue(authority, directory, "expired-worker", expired=True),
+        stranger_client=_issue(other, directory, "stranger"),
     )
 
 
