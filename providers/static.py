@@ -120,8 +120,18 @@ def _password_file_refusal(inventory: Path, provider: str, machine: InventoryMac
     unusable = _password_file_problem(machine.bmc.password_file)
     if unusable is None:
         return None
-    where = f"inventory {inventory}" + (f" line {machine.line}" if machine.line else "") + f" machine {machine.id!r}"
-    return InventoryError(provider, f"{where}: BMC password file {machine.bmc.password_file} {unusable}")
+    return _inventory_error(
+        inventory, provider, f"BMC password file {machine.bmc.password_file} {unusable}", machine.line, machine.id
+    )
+
+
+def _inventory_error(
+    path: Path, provider: str, problem: str, line: int = 0, machine: str | None = None
+) -> InventoryError:
+    """The problem, prefixed with where in the inventory it is."""
+    where = f"inventory {path}" + (f" line {line}" if line else "")
+    where += f" machine {machine!r}" if machine else ""
+    return InventoryError(provider, f"{where}: {problem}")
 
 
 def _read_secret(path: Path, where: str, provider: str) -> str:
@@ -180,9 +190,7 @@ def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachin
     """The machines of the inventory at path, every field checked; InventoryError naming the first problem."""
 
     def refuse(problem: str, line: int = 0, machine: str | None = None) -> InventoryError:
-        where = f"inventory {path}" + (f" line {line}" if line else "")
-        where += f" machine {machine!r}" if machine else ""
-        return InventoryError(provider, f"{where}: {problem}")
+        return _inventory_error(path, provider, problem, line, machine)
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -378,7 +386,11 @@ class StaticProvider:
     def _current(self) -> dict[str, InventoryMachine]:
         """The inventory's machines by id, parsed again only when the file changed: the operator edits it between
         passes, and at 100,000 machines a parse takes over a second."""
-        status = self.inventory.stat()
+        try:
+            status = self.inventory.stat()
+        except OSError:
+            # A file that cannot be read: load_inventory says what is wrong with it, as the operator's problem.
+            return {machine.id: machine for machine in load_inventory(self.inventory, self._name)}
         version = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
         cached = self._parsed
         if cached is not None and cached[0] == version:
@@ -389,11 +401,7 @@ class StaticProvider:
 
     async def _machines(self) -> dict[str, InventoryMachine]:
         # Off the event loop: a parse of a large inventory would stall every activity of the worker meanwhile.
-        try:
-            return await asyncio.to_thread(self._current)
-        except OSError:
-            # A file that cannot be read: load_inventory says what is wrong with it, as the operator's problem.
-            return {machine.id: machine for machine in load_inventory(self.inventory, self._name)}
+        return await asyncio.to_thread(self._current)
 
     async def _listed(self, provider_id: str) -> InventoryMachine:
         machine = (await self._machines()).get(provider_id)
