@@ -40,6 +40,13 @@ _VARIABLES = {
 }
 
 
+# Where a client certificate or its key is set: the variable, and the key of a profile's [tls].
+_CLIENT_TLS_SETTINGS = {
+    "certificate": ("TEMPORAL_TLS_CLIENT_CERT_PATH", "client_cert_path"),
+    "key": ("TEMPORAL_TLS_CLIENT_KEY_PATH", "client_key_path"),
+}
+
+
 class TemporalConfigError(Exception):
     """The Temporal client configuration cannot be used; the message names what and where to fix it."""
 
@@ -135,17 +142,14 @@ class TemporalConnection:
 
     def _check_validity(self, pem: bytes) -> None:
         """A client certificate out of its validity is refused by every server: say so before connecting."""
+        shown = _shown((self.tls or ClientConfigTLS()).client_cert, "inline")
+        where = f"{shown}, {self.source('tls_client_certificate')}"
         try:
             certificate = x509.load_pem_x509_certificate(pem)
         except ValueError as error:
-            raise TemporalConfigError(
-                f"the TLS client certificate ({self.source('tls_client_certificate')}) is not a PEM certificate: "
-                f"{error}"
-            ) from None
+            problem = f"the TLS client certificate ({where}) is not a PEM certificate: {error}"
+            raise TemporalConfigError(problem) from None
         now = datetime.now(UTC)
-        where = (
-            f"{_shown((self.tls or ClientConfigTLS()).client_cert, 'inline')}, {self.source('tls_client_certificate')}"
-        )
         if certificate.not_valid_after_utc < now:
             raise TemporalConfigError(
                 f"the TLS client certificate ({where}) expired on "
@@ -237,10 +241,10 @@ def load_temporal_connection(settings: Settings, environ: Mapping[str, str] | No
         namespace, sources["namespace"] = settings.temporal_namespace, "Shepherd setting temporal_namespace"
     if tls is not None and (tls.client_cert is None) != (tls.client_private_key is None):
         given, missing = ("certificate", "key") if tls.client_cert is not None else ("key", "certificate")
+        variable, profile_key = _CLIENT_TLS_SETTINGS[missing]
         raise TemporalConfigError(
-            f"a TLS client {given} ({sources[f'tls_client_{given}']}) needs its {missing}: set "
-            f"TEMPORAL_TLS_CLIENT_{'CERT' if missing == 'certificate' else 'KEY'}_PATH, or client_"
-            f"{'cert' if missing == 'certificate' else 'key'}_path in the profile's [tls]"
+            f"a TLS client {given} ({sources[f'tls_client_{given}']}) needs its {missing}: set {variable}, "
+            f"or {profile_key} in the profile's [tls]"
         )
     return TemporalConnection(
         address=address,
