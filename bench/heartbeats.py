@@ -127,11 +127,16 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def peak_rss_mib(pid: int) -> float:
+def status_mib(pid: int, field: str) -> float:
+    """A memory figure of /proc/PID/status (VmHWM: peak resident, VmRSS: resident now), in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def peak_rss_mib(pid: int) -> float:
+    return status_mib(pid, "VmHWM")
 
 
 def process_cpu_seconds(pid: int) -> float:

@@ -33,7 +33,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.fleet import each_at_most
 from agent.build import build_agent_executable
-from bench.heartbeats import peak_rss_mib
+from bench.heartbeats import peak_rss_mib, status_mib
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from foundation.settings import Settings
@@ -62,13 +62,6 @@ class Reading:
     watching: int
     rss_mib: float
     peak_mib: float
-
-
-def resident_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def watching_input(settings: Settings, n: int) -> MachineInput:
@@ -127,7 +120,7 @@ async def measure(tmp: Path, database_url: str, sizes: list[int], cache: int) ->
     readings = []
     try:
         await asyncio.sleep(3.0)
-        readings.append(Reading(0, resident_mib(worker.pid), peak_rss_mib(worker.pid)))
+        readings.append(Reading(0, status_mib(worker.pid, "VmRSS"), peak_rss_mib(worker.pid)))
         started = 0
         for size in sizes:
             began = time.perf_counter()
@@ -136,7 +129,7 @@ async def measure(tmp: Path, database_url: str, sizes: list[int], cache: int) ->
             started = size
             # Let the worker settle: evictions and garbage collection after the last tasks.
             await asyncio.sleep(3.0)
-            reading = Reading(size, resident_mib(worker.pid), peak_rss_mib(worker.pid))
+            reading = Reading(size, status_mib(worker.pid, "VmRSS"), peak_rss_mib(worker.pid))
             print(
                 f"  cache {cache:,}: {size:,} WATCHING ({time.perf_counter() - began:.0f} s): worker resident"
                 f" {reading.rss_mib:.0f} MiB, peak {reading.peak_mib:.0f} MiB",
