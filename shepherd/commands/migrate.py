@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from bmdb import migrate
+from bmdb.connection_errors import first_line
+from bmdb.store import BMDBUnavailable
 from foundation.settings import Settings, redact_url
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, database
 
@@ -19,7 +21,9 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     with database(settings) as url:
         try:
             migrate.upgrade(url)
+        except BMDBUnavailable:
+            raise  # the command line names the setting, database_url
         except Exception as error:
-            raise CommandError(f"cannot migrate BMDB at {redact_url(url)}: {error}") from None
+            raise CommandError(f"cannot migrate BMDB at {redact_url(url)}: {first_line(error)}") from None
         print(f"BMDB at {redact_url(url)} is at schema revision {migrate.current_revision(url)}")
     return EXIT_OK
