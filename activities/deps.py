@@ -20,7 +20,7 @@ from bmdb.store import BMDB
 from foundation.metrics import WorkerMetrics
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
-from foundation.tls import load_ca_certificate
+from foundation.tls import load_ca_certificates
 from providers import Provider, ProviderError
 from providers.registry import open_providers
 
@@ -36,7 +36,8 @@ class ActivityDeps:
     ssh_key: asyncssh.SSHKey
     ssh_public_key: str
     agent_executable: bytes = b""
-    ca_certificate: bytes = b""
+    # DER each: the CA bundle agents are given at takeover.
+    ca_certificates: tuple[bytes, ...] = ()
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics.on(MetricMeter.noop))
 
     def provider(self, name: str) -> Provider:
@@ -56,12 +57,12 @@ class ActivityDeps:
 
 
 async def open_activity_deps(settings: Settings, client: Client, database_url: str) -> ActivityDeps:
-    """Read the agent, the SSH key and the CA certificate, open BMDB and the provider; close() gives them back."""
+    """Read the agent, the SSH key and the CA certificates, open BMDB and the provider; close() gives them back."""
     settings.check_agent()
     assert settings.agent_executable_path is not None
     ssh_key = load_or_create_ssh_key(settings.effective_ssh_key_path)
     ca_path = settings.agent_endpoint_ca_certificate_path
-    ca_certificate = load_ca_certificate(ca_path) if ca_path is not None else b""
+    ca_certificates = load_ca_certificates(ca_path) if ca_path is not None else ()
     agent_executable = settings.agent_executable_path.read_bytes()
     bmdb = await open_bmdb(database_url)
     providers = open_providers(settings)
@@ -73,7 +74,7 @@ async def open_activity_deps(settings: Settings, client: Client, database_url: s
         ssh_key=ssh_key,
         ssh_public_key=public_key_openssh(ssh_key),
         agent_executable=agent_executable,
-        ca_certificate=ca_certificate,
+        ca_certificates=ca_certificates,
     )
 
 

@@ -36,7 +36,7 @@ class TakeoverActivities:
 
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
-        self.takeover_settings = TakeoverSettings.of(deps.settings, deps.agent_executable, deps.ca_certificate)
+        self.takeover_settings = TakeoverSettings.of(deps.settings, deps.agent_executable, deps.ca_certificates)
 
     @activity.defn
     async def start_agent(self, input: StartAgentInput) -> AgentFacts:

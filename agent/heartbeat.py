@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -62,7 +62,7 @@ class HeartbeatLoop:
         machine_id: str,
         key: Ed25519PrivateKey,
         endpoint: str,
-        ca_certificate_der: bytes,
+        ca_certificates_der: Sequence[bytes],
         *,
         interval: float = 30.0,
         retry_interval: float = 5.0,
@@ -76,7 +76,7 @@ class HeartbeatLoop:
         self.machine_id = machine_id
         self.key = key
         self.endpoint = endpoint
-        self.ca_certificate_der = ca_certificate_der
+        self.ca_certificates_der = tuple(ca_certificates_der)
         self.interval = interval
         self.retry_interval = retry_interval
         self.max_retry_interval = max_retry_interval
@@ -149,12 +149,15 @@ class HeartbeatLoop:
             self.sleep(wait)
 
     def _credentials(self, grpc: Any) -> Any:
-        if not self.ca_certificate_der:
+        if not self.ca_certificates_der:
             return grpc.ssl_channel_credentials()
         from cryptography import x509
         from cryptography.hazmat.primitives.serialization import Encoding
 
-        pem = x509.load_der_x509_certificate(self.ca_certificate_der).public_bytes(Encoding.PEM)
+        # Every CA of the bundle is a root: a server certificate from the old CA or the new is trusted.
+        pem = b"".join(
+            x509.load_der_x509_certificate(der).public_bytes(Encoding.PEM) for der in self.ca_certificates_der
+        )
         return grpc.ssl_channel_credentials(root_certificates=pem)
 
 

@@ -68,6 +68,14 @@ def error_response(message: str) -> takeover_pb2.TakeoverResponse:
     return takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message=message))
 
 
+def trusted_cas(init: takeover_pb2.TakeoverInit) -> list[bytes]:
+    """The CA certificates (DER) a TakeoverInit says to trust: all of ca_certificates when it has any, else its
+    ca_certificate, which is all a Shepherd that knew only that field sends; none for the system's trust store."""
+    if init.ca_certificates:
+        return list(init.ca_certificates)
+    return [init.ca_certificate] if init.ca_certificate else []
+
+
 def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, Ed25519PrivateKey | None]:
     """The response to the bytes read on standard input, and the key it made and stored (None on an error)."""
     init = takeover_pb2.TakeoverInit()
@@ -85,7 +93,7 @@ def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, Ed25519Pri
     except OSError as error:
         return error_response(f"cannot store the agent key in {key_path}: {error.strerror or error}"), None
     warnings = []
-    if not init.ca_certificate:
+    if not trusted_cas(init):
         warnings.append(NO_CA_WARNING)
     success = takeover_pb2.TakeoverSuccess(
         init_message=init, key=key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw), warnings=warnings
@@ -153,7 +161,7 @@ def heartbeat(init: takeover_pb2.TakeoverInit, key: Ed25519PrivateKey) -> None:
             pass
         return None
 
-    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, init.ca_certificate, log=log, stop_reason=stop_reason)
+    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, trusted_cas(init), log=log, stop_reason=stop_reason)
     try:
         log(f"stopped: {loop.run()}")
     except Exception as error:  # the daemon has no one else to tell

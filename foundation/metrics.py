@@ -9,12 +9,33 @@ same exporter, without ever connecting to Temporal.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from cryptography import x509
 from temporalio.common import MetricCounter, MetricGauge, MetricGaugeFloat, MetricMeter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from foundation.settings import check_listen_address
+from foundation.tls import read_certificates, soonest_days_left
+
+log = logging.getLogger("shepherd.metrics")
+
+CERTIFICATE_EXPIRY = "shepherd_certificate_expiry_days"
+# The certificate label of each: what the heartbeat server serves, the CAs agents are given, the client
+# certificates of Temporal and BMDB.
+HEARTBEAT_SERVER_CERTIFICATE = "heartbeat_server"
+AGENT_ENDPOINT_CA = "agent_endpoint_ca"
+TEMPORAL_CLIENT_CERTIFICATE = "temporal_client"
+BMDB_CLIENT_CERTIFICATE = "bmdb_client"
+# Often enough for a gauge in days, and reading a few small files a minute costs nothing.
+CERTIFICATE_REFRESH = 60.0
+
+# What a process holds of one certificate right now: read from its file, or kept in memory since it was read.
+CertificateSource = Callable[[], Sequence[x509.Certificate]]
 
 
 class MetricsUnavailable(OSError):
@@ -78,3 +99,61 @@ class WorkerMetrics:
                 "Machines whose provisioning or agent start outlasted its deadline, by provider instance",
             ),
         )
+
+
+def certificate_file(path: Path) -> CertificateSource:
+    """The certificates in the PEM file at path, read again each time: the gauge follows a rotated file."""
+    return lambda: read_certificates(path)
+
+
+class CertificateExpiry:
+    """shepherd_certificate_expiry_days{certificate}: days until the soonest notAfter of each certificate a process
+    holds, negative once expired. A certificate that expires stops what depends on it at once (an expired heartbeat
+    server certificate stops every heartbeat), so it is watched in days, long before.
+
+    A certificate may have several sources (the one in use and the file it came from, which may have been
+    renewed meanwhile): the soonest of them counts, so renewing a file a process reads only at start clears the
+    alert once the process was restarted and uses it.
+    """
+
+    def __init__(self, meter: MetricMeter) -> None:
+        self._gauge = meter.create_gauge_float(
+            CERTIFICATE_EXPIRY, "Days until the certificate expires (negative once expired), by certificate", "d"
+        )
+        self._watched: dict[str, tuple[CertificateSource, ...]] = {}
+        # Certificate name -> the problem last logged about it, so a lasting problem is logged once.
+        self._problems: dict[str, str] = {}
+
+    def watch(self, name: str, *sources: CertificateSource) -> None:
+        self._watched[name] = sources
+
+    def refresh(self) -> None:
+        """Set the gauge of every certificate watched from what its sources hold now."""
+        for name, sources in self._watched.items():
+            certificates: list[x509.Certificate] = []
+            problems = []
+            for source in sources:
+                try:
+                    certificates += source()
+                except ValueError as problem:  # CertificateProblem names the file; a DER held is parsed too
+                    problems.append(str(problem))
+            self._note(name, "; ".join(problems))
+            if certificates:
+                self._gauge.set(soonest_days_left(certificates), {"certificate": name})
+
+    def _note(self, name: str, problem: str) -> None:
+        if problem and self._problems.get(name) != problem:
+            log.warning("cannot read the %s certificate to watch its expiry: %s", name, problem)
+        self._problems[name] = problem
+
+    async def run(self, stop: asyncio.Event, interval: float = CERTIFICATE_REFRESH) -> None:
+        """Refresh every interval until stop is set, so the days go down as time passes."""
+        while not stop.is_set():
+            try:
+                self.refresh()
+            except Exception as error:  # a gauge a little stale beats a process that stops
+                log.warning("certificate expiry not updated: %s", error)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass

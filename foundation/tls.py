@@ -1,4 +1,5 @@
-"""TLS material: the CA certificate agents trust, and a private CA for the embedded stack and tests.
+"""TLS material: the CA certificates agents trust, certificates read from PEM files and how long they have left,
+and a private CA for the embedded stack and tests.
 
 Production deployments bring their own certificates; the private CA only saves
 a local stack from running heartbeats in plain text.
@@ -10,10 +11,13 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import NameOID
 
 from foundation.files import replace_file
@@ -108,9 +112,120 @@ def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertifi
     return paths
 
 
-def load_ca_certificate(path: Path) -> bytes:
-    """DER bytes of the PEM CA certificate at path, which the agents trust for their endpoint."""
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+SECONDS_A_DAY = 86400.0
+
+
+class CertificateProblem(ValueError):
+    """A file holds no usable certificate, or no key that goes with it; the message names the file and why, and
+    where is the file at fault."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def parse_certificates(pem: bytes, where: str) -> list[x509.Certificate]:
+    """Every certificate of a PEM bundle or chain, in order; CertificateProblem naming where when there is none,
+    or one does not parse (often a file caught half written)."""
+    begun = pem.count(PEM_CERTIFICATE)
+    if not begun:
+        raise CertificateProblem(f"{where} holds no PEM certificate", where)
     try:
-        return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(serialization.Encoding.DER)
-    except ValueError as error:
-        raise SettingsError("agent_endpoint_ca_certificate_path", f"not a PEM X.509 certificate: {error}") from None
+        certificates = x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        certificates = []
+    # A block cut short (no END line) is skipped by the parser, not refused: a bundle would lose a CA unnoticed.
+    if len(certificates) != begun:
+        raise CertificateProblem(f"{where} holds a PEM certificate that does not parse", where)
+    return certificates
+
+
+def read_certificates(path: Path) -> list[x509.Certificate]:
+    """The certificates in the PEM file at path; CertificateProblem naming the file when it cannot be read or
+    holds none."""
+    try:
+        pem = path.read_bytes()
+    except OSError as error:
+        raise CertificateProblem(f"cannot read {path}: {error.strerror or error}", str(path)) from None
+    return parse_certificates(pem, str(path))
+
+
+def days_left(certificate: x509.Certificate, now: datetime.datetime | None = None) -> float:
+    """Days until the certificate's notAfter, with their fraction; negative once it has expired."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    return (certificate.not_valid_after_utc - now).total_seconds() / SECONDS_A_DAY
+
+
+def soonest_days_left(certificates: list[x509.Certificate], now: datetime.datetime | None = None) -> float:
+    """Days left of the certificate that expires first: a chain or a bundle is as good as its weakest link."""
+    return min(days_left(certificate, now) for certificate in certificates)
+
+
+class NotValidYet(CertificateProblem):
+    """A certificate whose validity starts later: it may be given another try at valid_from."""
+
+    def __init__(self, message: str, where: str, valid_from: datetime.datetime) -> None:
+        super().__init__(message, where)
+        self.valid_from = valid_from
+
+
+def load_key_pair(
+    certificate_pem: bytes,
+    key_pem: bytes,
+    certificate_where: str,
+    key_where: str,
+    *,
+    not_before_margin: datetime.timedelta = datetime.timedelta(0),
+    now: datetime.datetime | None = None,
+) -> list[x509.Certificate]:
+    """The certificate chain of a server's PEM certificate and key, checked as a TLS server would need them: both
+    parse, the key is the first certificate's, and that certificate is valid now, and has been for
+    not_before_margin. CertificateProblem otherwise, naming the file at fault."""
+    chain = parse_certificates(certificate_pem, certificate_where)
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:
+        problem = f"{key_where} holds a key protected by a password; give it without one"
+        raise CertificateProblem(problem, key_where) from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise CertificateProblem(f"{key_where} holds no PEM private key that parses", key_where) from None
+    if _public_key_der(key.public_key()) != _public_key_der(chain[0].public_key()):
+        raise CertificateProblem(
+            f"{certificate_where} and {key_where} do not belong together: the certificate is for another key",
+            key_where,
+        )
+    now = now or datetime.datetime.now(datetime.UTC)
+    leaf = chain[0]
+    if leaf.not_valid_after_utc <= now:
+        expired = f"{certificate_where} expired on {leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+        raise CertificateProblem(expired, certificate_where)
+    ready = leaf.not_valid_before_utc + not_before_margin
+    if ready > now:
+        later = f"; it is taken from {ready:%H:%M:%S} UTC on" if not_before_margin else ""
+        raise NotValidYet(
+            f"{certificate_where} is valid only from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M:%S} UTC{later}",
+            certificate_where,
+            ready,
+        )
+    return chain
+
+
+def _public_key_der(key: PublicKeyTypes) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def load_ca_certificates(path: Path) -> tuple[bytes, ...]:
+    """DER bytes of each CA certificate in the PEM bundle at path, in the file's order: the CAs agents trust for
+    their endpoint. During a CA rotation the bundle holds the old CA and the new."""
+    try:
+        certificates = read_certificates(path)
+    except CertificateProblem as problem:
+        raise SettingsError("agent_endpoint_ca_certificate_path", str(problem)) from None
+    return tuple(certificate.public_bytes(serialization.Encoding.DER) for certificate in certificates)
+
+
+def bmdb_client_certificate_path(database_url: str) -> Path | None:
+    """The client certificate a BMDB URL names (libpq's sslcert), or None when it names none."""
+    given = parse_qs(urlsplit(database_url).query).get("sslcert")
+    return Path(given[-1]) if given and given[-1] else None

@@ -67,22 +67,24 @@ class TakeoverSettings:
     # Where the agent is uploaded on the machine; relative paths are relative
     # to the SSH user's home directory.
     target_path: str
-    # DER-encoded CA certificate the agent trusts for the endpoint; empty means
-    # the machine's trust store.
-    ca_certificate: bytes
+    # DER-encoded CA certificates the agent trusts for the endpoint, the old CA and the new during a CA rotation;
+    # none means the machine's trust store.
+    ca_certificates: tuple[bytes, ...]
     # TCP connect, SSH handshake and authentication together.
     connect_timeout: float
     # Upload and run together.
     exec_timeout: float
 
     @classmethod
-    def of(cls, settings: Settings, agent_executable: bytes, ca_certificate: bytes = b"") -> TakeoverSettings:
-        """The takeover that settings describe, with the agent and CA certificate already read."""
+    def of(
+        cls, settings: Settings, agent_executable: bytes, ca_certificates: tuple[bytes, ...] = ()
+    ) -> TakeoverSettings:
+        """The takeover that settings describe, with the agent and CA certificates already read."""
         return cls(
             agent_executable=agent_executable,
             endpoint=settings.agent_endpoint,
             target_path=settings.agent_target_path,
-            ca_certificate=ca_certificate,
+            ca_certificates=ca_certificates,
             connect_timeout=settings.ssh_connect_timeout,
             exec_timeout=settings.ssh_exec_timeout,
         )
@@ -150,6 +152,17 @@ class TakeoverError(Exception):
         return (type(self), (self.failure, self.target, self.problem))
 
 
+def takeover_init(machine_id: str, settings: TakeoverSettings) -> takeover_pb2.TakeoverInit:
+    """What the agent of machine_id is told: who it is, where to send heartbeats, which CAs to trust there."""
+    return takeover_pb2.TakeoverInit(
+        machine_id=machine_id,
+        endpoint=settings.endpoint,
+        # The first alone too, for agents that know only that field: they trust the CA first in the bundle.
+        ca_certificate=settings.ca_certificates[0] if settings.ca_certificates else b"",
+        ca_certificates=settings.ca_certificates,
+    )
+
+
 # Pins the host key of a first contact; returns None, or the other key found pinned meanwhile.
 HostKeyPin = Callable[[str], Awaitable[str | None]]
 
@@ -166,9 +179,7 @@ async def take_over(
     so a takeover that raced another to a different server stops there. Raises TakeoverError for every way
     this can fail. The connection is always closed before this returns.
     """
-    init = takeover_pb2.TakeoverInit(
-        machine_id=target.machine_id, endpoint=settings.endpoint, ca_certificate=settings.ca_certificate
-    )
+    init = takeover_init(target.machine_id, settings)
     connection = await _connect(target, settings.connect_timeout, client_key)
     try:
         host_key = _server_host_key(connection, target)

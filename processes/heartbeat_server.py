@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import threading
@@ -21,11 +22,12 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import NoReturn
 
 import grpc
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -37,10 +39,18 @@ from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.logs import configure_logging
-from foundation.metrics import meter_of, metrics_runtime
+from foundation.metrics import (
+    BMDB_CLIENT_CERTIFICATE,
+    HEARTBEAT_SERVER_CERTIFICATE,
+    CertificateExpiry,
+    certificate_file,
+    meter_of,
+    metrics_runtime,
+)
 from foundation.precise_sleep import precise_sleep
-from foundation.settings import Settings, check_listen_address
+from foundation.settings import Settings, SettingsError, check_listen_address
 from foundation.startup import StartupError
+from foundation.tls import CertificateProblem, NotValidYet, bmdb_client_certificate_path, load_key_pair
 from proto import SERVER_TIME_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 
@@ -385,15 +395,140 @@ def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
     return True
 
 
+# A renewed certificate that is not valid yet is served this long after its validity begins: a client whose clock
+# is a little behind (or reads the time coarsely) would refuse it a moment earlier.
+NOT_BEFORE_MARGIN = 60.0
+# What stat says of a file, to tell that it changed without reading it: (device, inode, size, mtime and ctime in
+# nanoseconds), or why it could not be stat'ed.
+FileSignature = tuple[int, int, int, int, int] | str
+
+
+def _signature_of(path: Path) -> FileSignature:
+    try:
+        status = os.stat(path)
+    except OSError as error:
+        return error.strerror or str(error)
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+class ServingCertificate:
+    """The heartbeat server's certificate chain and key, read again whenever either file changes on disk.
+
+    gRPC calls fetch before every TLS handshake, so each new connection gets the pair now on disk and the
+    connections already open keep theirs: renewing the files needs no restart and refuses no agent. While nothing
+    changed, fetch costs two stat calls. A new pair that cannot be served (a file half written, a key that is not
+    the certificate's, a certificate expired) is logged once a change, naming the file, and the pair before it is
+    served on; one not valid yet is taken not_before_margin after its validity begins. Each process of
+    --processes N holds its own and reloads on its own.
+    """
+
+    def __init__(
+        self,
+        certificate_path: Path,
+        key_path: Path,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        not_before_margin: float = NOT_BEFORE_MARGIN,
+    ) -> None:
+        self.certificate_path, self.key_path = certificate_path, key_path
+        self.on_change = on_change
+        self.not_before_margin = timedelta(seconds=not_before_margin)
+        # fetch runs on a thread of gRPC's core, refresh on the event loop.
+        self._lock = threading.Lock()
+        self._seen = self._signature()
+        try:
+            # At start there is no pair before to serve meanwhile: one valid now is served.
+            self.chain, self._pems = self._read(timedelta(0))
+        except CertificateProblem as problem:
+            setting = "heartbeat_tls_key_path" if problem.where == str(key_path) else "heartbeat_tls_certificate_path"
+            raise SettingsError(setting, str(problem)) from None
+        self._configuration = _configuration_of(self._pems)
+        self._handed_out = self._configuration
+        # When a certificate that was not valid yet is given another try; None: only when a file changes.
+        self._retry_at: datetime | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self._configuration, self.fetch)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's certificate configuration fetcher: the pair to serve from this handshake on, None for no change."""
+        try:
+            with self._lock:
+                self._reload_if_changed()
+                if self._configuration is self._handed_out:
+                    return None
+                self._handed_out = self._configuration
+                return self._configuration
+        except Exception:  # gRPC's core would log it at every handshake without the why; the pair before serves on
+            log.exception("could not look at the heartbeat server's certificate and key for a change")
+            return None
+
+    def current(self) -> list[x509.Certificate]:
+        """The chain served from the next handshake on, the files looked at first: the expiry gauge follows a
+        rotation even while no agent connects."""
+        with self._lock:
+            self._reload_if_changed()
+            return self.chain
+
+    def _signature(self) -> tuple[FileSignature, FileSignature]:
+        return _signature_of(self.certificate_path), _signature_of(self.key_path)
+
+    def _read(self, not_before_margin: timedelta) -> tuple[list[x509.Certificate], tuple[bytes, bytes]]:
+        pems = []
+        for path in (self.certificate_path, self.key_path):
+            try:
+                pems.append(path.read_bytes())
+            except OSError as error:
+                raise CertificateProblem(f"cannot read {path}: {error.strerror or error}", str(path)) from None
+        certificate, key = pems
+        chain = load_key_pair(
+            certificate, key, str(self.certificate_path), str(self.key_path), not_before_margin=not_before_margin
+        )
+        return chain, (certificate, key)
+
+    def _reload_if_changed(self) -> None:
+        signature = self._signature()
+        retry = self._retry_at is not None and datetime.now(UTC) >= self._retry_at
+        if signature == self._seen and not retry:
+            return
+        # Stat'ed before reading: a write after the read changes what the next look sees, and is read then.
+        self._seen, self._retry_at = signature, None
+        try:
+            chain, pems = self._read(self.not_before_margin)
+        except CertificateProblem as problem:
+            if isinstance(problem, NotValidYet):
+                self._retry_at = problem.valid_from
+            log.warning("heartbeat server certificate not reloaded, the one before is served on: %s", problem)
+            return
+        if pems == self._pems:
+            return  # touched or copied over with the same contents
+        self.chain, self._pems = chain, pems
+        self._configuration = _configuration_of(pems)
+        leaf = chain[0]
+        log.info(
+            "heartbeat server certificate reloaded from %s: serial %x, valid until %s UTC; new connections get it",
+            self.certificate_path,
+            leaf.serial_number,
+            f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M}",
+        )
+        self.on_change()
+
+
+def _configuration_of(pems: tuple[bytes, bytes]) -> grpc.ServerCertificateConfiguration:
+    certificate, key = pems
+    return grpc.ssl_server_certificate_configuration([(key, certificate)])
+
+
 def build_server(
     service: HeartbeatService,
     listen: str,
-    tls: tuple[Path, Path] | None,
+    tls: ServingCertificate | tuple[Path, Path] | None,
     *,
     maximum_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
     share_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
-    """The gRPC server and the port it bound; tls is (certificate chain, private key) PEM files.
+    """The gRPC server and the port it bound; tls is the ServingCertificate, or its (certificate chain, private
+    key) PEM files.
 
     share_port binds with SO_REUSEPORT, for several processes of ours on one port (serve_in_processes).
     """
@@ -417,8 +552,8 @@ def build_server(
         if tls is None:
             port = server.add_insecure_port(listen)
         else:
-            certificate, key = (path.read_bytes() for path in tls)
-            port = server.add_secure_port(listen, grpc.ssl_server_credentials([(key, certificate)]))
+            serving = tls if isinstance(tls, ServingCertificate) else ServingCertificate(*tls)
+            port = server.add_secure_port(listen, serving.credentials())
     except RuntimeError:
         # grpcio raises this, with no reason, where older versions returned port 0.
         port = 0
@@ -432,11 +567,24 @@ async def run_heartbeat_server(
 ) -> None:
     """Serve heartbeats until SIGTERM/SIGINT (or stop is set)."""
     runtime = metrics_runtime(settings.metrics_listen, "heartbeat-server")
-    bmdb = await open_bmdb(database_url)
+    expiry = CertificateExpiry(meter_of(runtime))
+    loop = asyncio.get_running_loop()
     tls = None
     if not settings.heartbeat_plaintext:
         assert settings.heartbeat_tls_certificate_path and settings.heartbeat_tls_key_path
-        tls = (settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path)
+
+        def reloaded() -> None:
+            # Called on a thread of gRPC's core too; the gauge is set on the event loop.
+            loop.call_soon_threadsafe(expiry.refresh)
+
+        tls = ServingCertificate(
+            settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path, on_change=reloaded
+        )
+        expiry.watch(HEARTBEAT_SERVER_CERTIFICATE, tls.current)
+    bmdb_certificate = bmdb_client_certificate_path(database_url)
+    if bmdb_certificate is not None:
+        expiry.watch(BMDB_CLIENT_CERTIFICATE, certificate_file(bmdb_certificate))
+    bmdb = await open_bmdb(database_url)
     service = HeartbeatService(
         bmdb,
         interval=settings.heartbeat_interval,
@@ -453,7 +601,6 @@ async def run_heartbeat_server(
         await bmdb.close()
         raise OSError(f"{error} (setting heartbeat_listen)") from None
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
@@ -469,11 +616,15 @@ async def run_heartbeat_server(
         "plain text" if tls is None else "TLS",
         loaded,
     )
+    # Without /metrics the files are still looked at each minute, so a bad new pair is logged even while no
+    # agent connects.
+    watching = asyncio.create_task(expiry.run(stop))
     try:
         await stop.wait()
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        watching.cancel()
         await server.stop(grace=5)
         await service.close()
         await bmdb.close()
@@ -540,7 +691,7 @@ def _serve_one(settings: Settings, database_url: str, verbose: bool) -> None:
     configure_logging(settings.log_format, verbose=verbose)
     try:
         asyncio.run(run_heartbeat_server(settings, database_url, share_port=True))
-    except (OSError, SQLAlchemyError, StartupError) as error:
+    except (OSError, SQLAlchemyError, StartupError, SettingsError) as error:
         log.error("heartbeat server process %s cannot serve: %s", multiprocessing.current_process().name, error)
         raise SystemExit(1) from None
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from cryptography import x509
 from temporalio.client import (
     Client,
     Schedule,
@@ -32,7 +33,7 @@ from temporalio.client import (
     ScheduleUpdate,
     ScheduleUpdateInput,
 )
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import Worker
 
 from activities.decommission import DecommissionActivities
@@ -42,9 +43,22 @@ from activities.provisioning import ProvisioningActivities
 from activities.recovery import RecoveryActivities
 from activities.takeover import TakeoverActivities
 from foundation.logs import LogContextInterceptor
-from foundation.metrics import MetricsUnavailable, WorkerMetrics, meter_of, metrics_runtime
+from foundation.metrics import (
+    AGENT_ENDPOINT_CA,
+    BMDB_CLIENT_CERTIFICATE,
+    TEMPORAL_CLIENT_CERTIFICATE,
+    CertificateExpiry,
+    CertificateSource,
+    MetricsUnavailable,
+    WorkerMetrics,
+    certificate_file,
+    meter_of,
+    metrics_runtime,
+)
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
+from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
+from foundation.tls import bmdb_client_certificate_path, parse_certificates
 from lifecycle.contracts import (
     LEGACY_FLEET_SCHEDULE_ID,
     MACHINE_STAGE,
@@ -222,6 +236,42 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
             pass
 
 
+def watch_certificates(
+    expiry: CertificateExpiry,
+    settings: Settings,
+    temporal_tls: TLSConfig | bool | None,
+    ca_certificates: tuple[bytes, ...],
+    database_url: str,
+) -> None:
+    """Give the gauge of certificate expiry what a worker holds, where each is configured: the Temporal client
+    certificate it connected with (temporal_tls), the CA bundle agents are given at takeover (ca_certificates,
+    DER each), and BMDB's client certificate (sslcert in database_url).
+
+    The first two are read at start and used as read until the worker restarts: each is watched as held and as
+    on disk, and the sooner to expire counts, so renewing the file clears the alert once a restart put it to use.
+    """
+    if isinstance(temporal_tls, TLSConfig) and temporal_tls.client_cert is not None:
+        held = temporal_tls.client_cert
+        sources: list[CertificateSource] = [lambda: parse_certificates(held, "the Temporal client certificate")]
+        try:
+            configured = load_temporal_connection(settings).tls
+        except TemporalConfigError:
+            configured = None  # it was good enough to connect with: what is held is watched
+        if configured is not None and isinstance(configured.client_cert, Path):
+            sources.append(certificate_file(configured.client_cert))
+        expiry.watch(TEMPORAL_CLIENT_CERTIFICATE, *sources)
+    bundle_path = settings.agent_endpoint_ca_certificate_path
+    if ca_certificates and bundle_path is not None:
+        expiry.watch(
+            AGENT_ENDPOINT_CA,
+            lambda: [x509.load_der_x509_certificate(der) for der in ca_certificates],
+            certificate_file(bundle_path),
+        )
+    bmdb_certificate = bmdb_client_certificate_path(database_url)
+    if bmdb_certificate is not None:
+        expiry.watch(BMDB_CLIENT_CERTIFICATE, certificate_file(bmdb_certificate))
+
+
 def uncompiled_modules(modules: Iterable[ModuleType]) -> list[str]:
     """The source files among modules that have no compiled bytecode beside them (or under PYTHONPYCACHEPREFIX).
 
@@ -275,6 +325,11 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
         async with serving(client, deps), asyncio.TaskGroup() as observers:
             if runtime is not None:
                 observers.create_task(observe_fleet(client, deps, stop))
+                expiry = CertificateExpiry(meter_of(runtime))
+                watch_certificates(
+                    expiry, settings, client.service_client.config.tls, deps.ca_certificates, database_url
+                )
+                observers.create_task(expiry.run(stop))
             await stop.wait()
             log.info("stopping: letting running activities finish for up to %ss", settings.shutdown_grace)
     finally:

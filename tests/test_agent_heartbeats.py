@@ -209,9 +209,7 @@ def test_the_agent_never_gives_up_and_stops_only_when_refused_after_acceptance()
             raise Refused(code)
         return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=30_000)
 
-    loop = HeartbeatLoop(
-        str(uuid.uuid4()), Ed25519PrivateKey.generate(), "h:1", b"", log=log.append, sleep=slept.append
-    )
+    loop = HeartbeatLoop(str(uuid.uuid4()), Ed25519PrivateKey.generate(), "h:1", (), log=log.append, sleep=slept.append)
     assert loop.run(call) == "heartbeat refused (test UNAUTHENTICATED): a newer agent has taken over"
     assert answers == []
     # Far past the hour after which agents used to give up.
@@ -234,7 +232,7 @@ def test_an_agent_whose_key_was_never_recorded_stops_once_a_newer_agent_runs_on_
         str(uuid.uuid4()),
         Ed25519PrivateKey.generate(),
         "h:1",
-        b"",
+        (),
         sleep=lambda _: None,
         stop_reason=lambda: next(checks),
     )
@@ -264,7 +262,7 @@ async def test_an_agent_whose_clock_is_an_hour_behind_follows_the_servers_time(t
 
     endpoint = f"127.0.0.1:{port}"
     behind = lambda: time.time() - 3600  # noqa: E731
-    loop = HeartbeatLoop(str(machine_id), key, endpoint, ca_der, log=lines.append, sleep=sleep, clock=behind)
+    loop = HeartbeatLoop(str(machine_id), key, endpoint, [ca_der], log=lines.append, sleep=sleep, clock=behind)
     try:
         with pytest.raises(Enough):
             await asyncio.to_thread(loop.run)

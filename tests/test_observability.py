@@ -14,10 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
+from cryptography import x509
 
 from foundation.logs import ContextFilter, JsonFormatter, TextFormatter
 from foundation.metrics import meter_of, metrics_runtime
-from foundation.tls import local_certificates
+from foundation.tls import days_left, local_certificates
 from lifecycle.contracts import MachineStage
 from simulator import Faults
 from tests.fleet_stack import FleetStack, fleet_stack
@@ -130,6 +131,14 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
 
             heartbeat_series = await scrape(heartbeat_metrics_port)
             assert total(heartbeat_series, "shepherd_heartbeat_requests_total", result="accepted") > 0
+
+            # Days left of the certificates each holds: the CA agents are given, the certificate served to them.
+            for series, certificate, path in (
+                (worker_series, "agent_endpoint_ca", certificates.ca_certificate),
+                (heartbeat_series, "heartbeat_server", certificates.server_certificate),
+            ):
+                exported = total(series, "shepherd_certificate_expiry_days", certificate=certificate)
+                assert abs(exported - days_left(x509.load_pem_x509_certificate(path.read_bytes()))) < 0.01
 
             sim_series = await scrape(sim_port)
             assert total(sim_series, "shepherd_sim_api_requests_total", method="POST", route="/v1/machines") == 2

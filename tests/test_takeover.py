@@ -158,7 +158,7 @@ async def test_a_stop_that_is_not_confirmed_or_not_allowed_is_an_error_that_says
 
 
 async def test_ca_certificate_reaches_the_agent(sshd, reference_agent, tmp_path):
-    takeover = settings(reference_agent, tmp_path / "agent", ca_certificate=b"\x30\x03\x02\x01\x00")
+    takeover = settings(reference_agent, tmp_path / "agent", ca_certificates=(b"\x30\x03\x02\x01\x00",))
     result = await take_over(target_of(sshd), takeover, sshd.client_key)
     assert result.warnings == []
 
