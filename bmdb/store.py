@@ -8,8 +8,9 @@ statements: the fleet scale is 100,000 machines.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from bmdb.connection_errors import connection_failure, libpq_url
 from bmdb.schema import (
     PROVIDED_STATUS_CREATING,
     PROVIDED_STATUS_PROVIDED,
@@ -32,7 +34,7 @@ from bmdb.schema import (
     recovery_holds,
     recovery_reboots,
 )
-from foundation.settings import redact_url
+from foundation.settings import redact_url as redact_url  # re-exported: callers import it along with BMDB
 
 
 class BMDBUnavailable(Exception):
@@ -197,12 +199,6 @@ OPERATOR_ACTION_KINDS = (
 )
 
 
-def libpq_url(url: str) -> str:
-    """The ``postgresql://`` URL libpq takes, for a URL in SQLAlchemy's form too."""
-    scheme, separator, rest = url.partition("://")
-    return f"postgresql://{rest}" if separator and scheme in ("postgresql+psycopg", "postgres") else url
-
-
 def sqlalchemy_url(url: str) -> str:
     """The SQLAlchemy URL for a ``postgresql://`` URL, with the psycopg 3 driver."""
     if url.startswith("postgresql://"):
@@ -232,12 +228,12 @@ class BMDB:
         await self.engine.dispose()
 
     async def ping(self) -> None:
-        """Raise BMDBUnavailable, naming the URL's host, when BMDB cannot be reached."""
+        """Raise BMDBUnavailable, naming the URL's host and, for TLS, the cause, when BMDB cannot be reached."""
         try:
             async with self.engine.connect() as conn:
                 await conn.execute(select(1))
         except (OperationalError, DBAPIError, OSError) as exc:
-            raise BMDBUnavailable(f"BMDB at {redact_url(self.url)} is unreachable: {first_line(exc)}") from exc
+            raise BMDBUnavailable(connection_failure(self.url, exc)) from exc
 
     # --- provided machines -------------------------------------------------
 
@@ -521,9 +517,15 @@ class BMDB:
         async with self._heartbeat_lock:
             try:
                 if self._heartbeat_connection is None or self._heartbeat_connection.closed:
-                    self._heartbeat_connection = await psycopg.AsyncConnection.connect(
-                        libpq_url(self.url), autocommit=True, connect_timeout=HEARTBEAT_CONNECT_TIMEOUT
-                    )
+                    try:
+                        self._heartbeat_connection = await psycopg.AsyncConnection.connect(
+                            libpq_url(self.url), autocommit=True, connect_timeout=HEARTBEAT_CONNECT_TIMEOUT
+                        )
+                    except psycopg.Error as error:
+                        # Logged by the heartbeat server on one line: the cause, never libpq's several.
+                        raise HeartbeatsNotRecorded(
+                            f"BMDB failed while recording heartbeats: {connection_failure(self.url, error)}"
+                        ) from error
                 cursor = await self._heartbeat_connection.execute(RECORD_HEARTBEATS, parameters, prepare=True)
                 return {row[0] for row in await cursor.fetchall()}
             except psycopg.Error as error:
@@ -940,12 +942,17 @@ class BMDB:
             counts["heartbeating"] = int(heartbeating or 0)
             return counts
 
-
-def first_line(error: BaseException) -> str:
-    """The driver's own message, on one line, without SQLAlchemy's statement and background link."""
-    cause = getattr(error, "orig", None) or error
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    return lines[0] if lines else type(cause).__name__
+    async def read_clock(self, local_clock: Callable[[], float] = time.time) -> tuple[float, datetime, float]:
+        """BMDB's clock between two readings of local_clock: (before, BMDB's time, after), for measuring how far
+        the two clocks are apart. clock_timestamp(), not now(): now() is when the transaction began, outside the
+        bracket, which holds one round trip only."""
+        async with self.engine.connect() as conn:
+            await conn.execute(select(1))  # the checkout and the transaction's start, before the bracket
+            before = local_clock()
+            at = await conn.scalar(select(func.clock_timestamp()))
+            after = local_clock()
+        assert isinstance(at, datetime)
+        return before, at, after
 
 
 def _held(row: Any) -> HeldRecoveries:

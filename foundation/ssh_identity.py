@@ -34,14 +34,14 @@ def load_or_create_ssh_key(path: Path) -> asyncssh.SSHKey:
     every process ends up with the key that is on disk.
     """
     try:
-        return _load(path)
+        return load_ssh_key(path)
     except FileNotFoundError:
         pass
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = asyncssh.generate_private_key(KEY_ALGORITHM.decode(), comment=KEY_COMMENT)
     if _install_new(path, key.export_private_key("openssh")):
         return key
-    return _load(path)
+    return load_ssh_key(path)
 
 
 def public_key_openssh(key: asyncssh.SSHKey) -> str:
@@ -49,8 +49,9 @@ def public_key_openssh(key: asyncssh.SSHKey) -> str:
     return key.export_public_key("openssh").decode().strip()
 
 
-def _load(path: Path) -> asyncssh.SSHKey:
-    """The key in an existing file; FileNotFoundError if there is none."""
+def load_ssh_key(path: Path) -> asyncssh.SSHKey:
+    """The key in an existing file, refused (SSHIdentityError) unless private and ed25519; FileNotFoundError if
+    there is none. Nothing is created: for checking a key without making one."""
     mode = path.stat().st_mode
     if not stat.S_ISREG(mode):
         raise SSHIdentityError(path, "is not a regular file")

@@ -26,17 +26,22 @@ def provider_types() -> dict[str, ProviderFactory]:
 def open_providers(settings: Settings) -> dict[str, Provider]:
     """A client of every configured provider instance, by instance name."""
     types = provider_types()
-    providers: dict[str, Provider] = {}
-    for instance in settings.provider_instances:
-        factory = types.get(instance.type)
-        if factory is None:
-            raise SettingsError(
-                "providers",
-                f"instance {instance.name!r} has type {instance.type!r}, which no installed package provides "
-                f"(installed: {', '.join(sorted(types)) or 'none'}; entry point group {ENTRY_POINT_GROUP})",
-            )
-        providers[instance.name] = factory(instance, settings)
-    return providers
+    return {instance.name: open_provider(instance, settings, types) for instance in settings.provider_instances}
+
+
+def open_provider(
+    instance: ProviderInstance, settings: Settings, types: dict[str, ProviderFactory] | None = None
+) -> Provider:
+    """A client of one provider instance; SettingsError when no installed type provides it or an option is wrong."""
+    types = provider_types() if types is None else types
+    factory = types.get(instance.type)
+    if factory is None:
+        raise SettingsError(
+            "providers",
+            f"instance {instance.name!r} has type {instance.type!r}, which no installed package provides "
+            f"(installed: {', '.join(sorted(types)) or 'none'}; entry point group {ENTRY_POINT_GROUP})",
+        )
+    return factory(instance, settings)
 
 
 def unknown_options(instance: ProviderInstance, known: tuple[str, ...]) -> None:
