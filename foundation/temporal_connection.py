@@ -132,7 +132,9 @@ class TemporalConnection:
             )
         if "401" in text or "Unauthenticated" in text or "PermissionDenied" in text:
             if self.api_key is not None:
-                return f"the server refused the API key ({self.source('api_key')}): check TEMPORAL_API_KEY"
+                source = self.source("api_key")
+                setting = "TEMPORAL_API_KEY" if "TEMPORAL_API_KEY" in source else "api_key in the profile"
+                return f"the server refused the API key ({source}): check {setting}"
             return "the server demands credentials: an API key (TEMPORAL_API_KEY) or a client certificate"
         return text
 

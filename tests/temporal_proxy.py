@@ -1,4 +1,5 @@
-"""nginx (Debian's nginx-light) in front of a Temporal server as a gRPC proxy that demands client certificates.
+"""nginx (Debian's nginx-light) in front of a Temporal server as a gRPC proxy that demands client certificates,
+and, on ports of their own, an API key.
 
 The certificates are made here, by foundation.tls's CertificateAuthority: a CA for the proxy's server certificate
 and the clients, one client certificate it accepts, one expired, one from another CA, and that other CA.
@@ -7,6 +8,7 @@ and the clients, one client certificate it accepts, one expired, one from anothe
 from __future__ import annotations
 
 import datetime
+import secrets
 import shutil
 import socket
 import subprocess
@@ -78,12 +80,24 @@ def free_port() -> int:
 
 
 class TemporalProxy:
-    """nginx on 127.0.0.1:port, TLS with client certificates required, passing gRPC to the Temporal server."""
+    """nginx passing gRPC to the Temporal server, on three TLS ports of 127.0.0.1.
+
+    `address` demands a client certificate. `api_key_address` and `api_key_http_address` demand none but the
+    header `authorization: Bearer <api_key>`, which the Temporal SDK sends for an API key; the first refuses
+    anything else as a gRPC server does (status UNAUTHENTICATED), the second as a plain HTTP server does (401 and
+    an HTML page, as an authenticating proxy in front of Temporal may answer).
+    """
 
     def __init__(self, directory: Path, upstream: str, certificates: ProxyCertificates) -> None:
         self.directory = directory
-        self.port = free_port()
+        self.api_key = secrets.token_urlsafe(24)
+        self.port, api_key_port, api_key_http_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.api_key_address = f"127.0.0.1:{api_key_port}"
+        self.api_key_http_address = f"127.0.0.1:{api_key_http_port}"
+        server_tls = f"""
+        ssl_certificate {certificates.server.certificate};
+        ssl_certificate_key {certificates.server.key};"""
         config = directory / "nginx.conf"
         config.write_text(
             f"""
@@ -94,13 +108,43 @@ events {{ worker_connections 256; }}
 http {{
     access_log off;
     client_body_temp_path {directory}/body;
+    # Empty, which lets a request through the `if`s below, only for the right key.
+    map $http_authorization $api_key_refused {{
+        default 1;
+        "Bearer {self.api_key}" "";
+    }}
     server {{
-        listen 127.0.0.1:{self.port} ssl http2;
-        ssl_certificate {certificates.server.certificate};
-        ssl_certificate_key {certificates.server.key};
+        listen {self.address} ssl http2;{server_tls}
         ssl_client_certificate {certificates.ca};
         ssl_verify_client on;
         location / {{
+            grpc_pass grpc://{upstream};
+        }}
+    }}
+    server {{
+        listen {self.api_key_address} ssl http2;{server_tls}
+        # `return` cannot set the content type inside `if`, so the refusal is answered from a named location.
+        error_page 418 = @unauthenticated;
+        location / {{
+            if ($api_key_refused) {{
+                return 418;
+            }}
+            grpc_pass grpc://{upstream};
+        }}
+        # A gRPC server's refusal is a response without a body: HTTP 200, the status in its headers.
+        location @unauthenticated {{
+            default_type application/grpc;
+            add_header grpc-status 16 always;
+            add_header grpc-message "invalid API key" always;
+            return 200 "";
+        }}
+    }}
+    server {{
+        listen {self.api_key_http_address} ssl http2;{server_tls}
+        location / {{
+            if ($api_key_refused) {{
+                return 401;
+            }}
             grpc_pass grpc://{upstream};
         }}
     }}
@@ -112,17 +156,22 @@ http {{
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
+        for port in (self.port, api_key_port, api_key_http_port):
+            self._wait_for(port)
+
+    def _wait_for(self, port: int) -> None:
         for _ in range(100):
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"nginx exited: {self.process.stderr.read().decode() if self.process.stderr else ''}"
                 )
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("nginx did not listen within 5 s")
+        self.stop()
+        raise RuntimeError(f"nginx did not listen on port {port} within 5 s")
 
     def stop(self) -> None:
         self.process.terminate()

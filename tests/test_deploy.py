@@ -1,7 +1,9 @@
-"""The files in deploy/ agree with the code: settings, commands, ports and search attributes.
+"""The files in deploy/ agree with the code: settings, commands, ports and search attributes, and the certificates
+and keys each process reads reach it.
 
 Nothing here is run: the files are parsed and every setting, command line and port they name is checked against
 Shepherd's own settings and argument parser, so a renamed setting or flag fails here instead of in a deployment.
+Where systemd-analyze is installed, it checks the systemd units as systemd would load them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ import itertools
 import json
 import re
 import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -166,6 +174,8 @@ class Process:
     ports: set[int] | None = None
     mounts: list[str] = field(default_factory=list)
     stop_grace: float | None = None
+    # Kubernetes: mount path -> the Secret mounted there, and its files (name -> key) when only some are.
+    secret_mounts: dict[str, tuple[str, dict[str, str] | None]] = field(default_factory=dict)
 
     @property
     def command(self) -> str:
@@ -260,8 +270,27 @@ def kubernetes_processes() -> list[Process]:
             env.update({item["name"]: str(item["value"]) for item in container.get("env", []) if "value" in item})
             ports = {int(port["containerPort"]) for port in container.get("ports", [])}
             mounts = [mount["mountPath"] for mount in container.get("volumeMounts", [])]
-            processes.append(Process(container_where, argv, env, ports, mounts + image.paths, grace))
+            secrets = secret_volumes(spec)
+            secret_mounts = {
+                mount["mountPath"]: secrets[mount["name"]]
+                for mount in container.get("volumeMounts", [])
+                if mount["name"] in secrets
+            }
+            processes.append(
+                Process(container_where, argv, env, ports, mounts + image.paths, grace, secret_mounts=secret_mounts)
+            )
     return processes
+
+
+def secret_volumes(spec: dict[str, Any]) -> dict[str, tuple[str, dict[str, str] | None]]:
+    """Volume name -> (Secret, file name -> key when the volume lists its items) of a pod's Secret volumes."""
+    volumes = {}
+    for volume in spec.get("volumes", []):
+        if "secret" in volume:
+            items = volume["secret"].get("items")
+            files = None if items is None else {item["path"]: item["key"] for item in items}
+            volumes[volume["name"]] = (volume["secret"]["secretName"], files)
+    return volumes
 
 
 @dataclass
@@ -283,15 +312,30 @@ def systemd_units() -> list[Unit]:
     return units
 
 
-def unit_env(unit: Unit) -> dict[str, str]:
-    """The unit's environment, with each EnvironmentFile= read from its committed example beside the unit."""
-    env: dict[str, str] = {}
-    for assignments in unit.directives.get("Environment", []):
-        env.update(assignment(word) for word in shlex.split(assignments))
-    # systemd lets EnvironmentFile= override Environment=.
+def unit_own_env(unit: Unit) -> dict[str, str]:
+    """The variables of the unit's Environment= lines."""
+    return {
+        name: value
+        for assignments in unit.directives.get("Environment", [])
+        for name, value in map(assignment, shlex.split(assignments))
+    }
+
+
+def unit_env_files(unit: Unit) -> list[Path]:
+    """The committed example beside the unit of each of its EnvironmentFile=."""
+    examples = []
     for name in unit.directives.get("EnvironmentFile", []):
         example = unit.path.parent / (PurePosixPath(name.lstrip("-")).name + ".example")
         assert example.is_file(), f"{rel(unit.path)}: EnvironmentFile={name} has no example {rel(example)}"
+        examples.append(example)
+    return examples
+
+
+def unit_env(unit: Unit) -> dict[str, str]:
+    """The unit's environment, with each EnvironmentFile= read from its committed example."""
+    env = unit_own_env(unit)
+    # systemd lets EnvironmentFile= override Environment=.
+    for example in unit_env_files(unit):
         env.update(env_file(example))
     return env
 
@@ -552,3 +596,310 @@ def test_kustomization_lists_the_manifests():
 def test_yaml_files_parse():
     for path in yaml_files():
         assert yaml_documents(path), f"{rel(path)} holds no YAML document"
+
+
+# Certificates and keys
+
+# The variables that name a certificate, key or configuration file a process reads, beside the database URL's.
+FILE_VARIABLES = (
+    "TEMPORAL_TLS_SERVER_CA_CERT_PATH",
+    "TEMPORAL_TLS_CLIENT_CERT_PATH",
+    "TEMPORAL_TLS_CLIENT_KEY_PATH",
+    "TEMPORAL_CONFIG_FILE",
+    "SHEPHERD_HEARTBEAT_TLS_CERTIFICATE_PATH",
+    "SHEPHERD_HEARTBEAT_TLS_KEY_PATH",
+    "SHEPHERD_AGENT_ENDPOINT_CA_CERTIFICATE_PATH",
+)
+# libpq's parameters in SHEPHERD_DATABASE_URL that name files.
+DATABASE_URL_FILES = ("sslrootcert", "sslcert", "sslkey")
+# Which of those each command reads: the worker's include what operator commands, run beside it, read.
+FILES_READ = {
+    "worker": ("TEMPORAL_", "SHEPHERD_AGENT_ENDPOINT_CA_", "SHEPHERD_DATABASE_URL"),
+    "heartbeat-server": ("SHEPHERD_HEARTBEAT_TLS_", "SHEPHERD_DATABASE_URL"),
+    "migrate": ("SHEPHERD_DATABASE_URL",),
+}
+# What lets a process authenticate to Temporal: only the worker talks to Temporal.
+TEMPORAL_CREDENTIALS = (
+    "TEMPORAL_TLS_CLIENT_KEY_PATH",
+    "TEMPORAL_TLS_CLIENT_KEY_DATA",
+    "TEMPORAL_API_KEY",
+    "TEMPORAL_CONFIG_FILE",
+)
+# Shepherd's own Temporal settings, which win over the Temporal CLI's configuration.
+SHEPHERDS_TEMPORAL_SETTINGS = ("temporal_address", "temporal_namespace")
+# libpq refuses a key file owned by root that its group may write or run, or others may use at all; a mounted
+# Secret's files are root's. (With an fsGroup, Kubernetes adds group read to them: 0400 becomes 0440.)
+FORBIDDEN_SECRET_MODE_BITS = stat.S_IWGRP | stat.S_IXGRP | stat.S_IRWXO
+# Kubernetes' default mode of a Secret volume's files, when neither defaultMode nor an item's mode is set.
+DEFAULT_SECRET_MODE = 0o644
+CREDENTIAL_SPECIFIER_RE = re.compile(r"(?:%d|\$\{?CREDENTIALS_DIRECTORY\}?)/([^\s/\"']+)")
+
+
+def files_named(env: dict[str, str]) -> list[tuple[str, str]]:
+    """(setting, path) of every certificate, key or configuration file the environment names."""
+    files = [(name, env[name]) for name in FILE_VARIABLES if env.get(name)]
+    if url := env.get("SHEPHERD_DATABASE_URL"):
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+        for parameter in DATABASE_URL_FILES:
+            files += [(f"SHEPHERD_DATABASE_URL {parameter}", value) for value in query.get(parameter, [])]
+    return files
+
+
+def files_read(process: Process) -> list[tuple[str, str]]:
+    prefixes = FILES_READ.get(process.command, ())
+    return [(setting, path) for setting, path in files_named(process.env) if setting.startswith(prefixes)]
+
+
+@dataclass
+class SecretDefinition:
+    where: str
+    keys: set[str]
+
+
+def readme_secrets() -> list[tuple[str, SecretDefinition]]:
+    """(name, definition) of every `kubectl create secret` in deploy/README.md."""
+    found = []
+    for block in readme_blocks(DEPLOY / "README.md"):
+        for words in script_lines(block):
+            if words[:3] != ["kubectl", "create", "secret"] or len(words) < 5:
+                continue
+            kind, name = words[3], words[4]
+            keys = {"tls.crt", "tls.key"} if kind == "tls" else set()
+            # --from-file=KEY=PATH, --from-file=PATH (the key is its file name), and the same with a space.
+            options = [word for option in words[5:] for word in option.split("=", 1)]
+            for option, value in itertools.pairwise([*options, ""]):
+                if option == "--from-file":
+                    key, separator, _ = value.partition("=")
+                    keys.add(key if separator else PurePosixPath(value).name)
+                elif option == "--from-literal":
+                    keys.add(value.partition("=")[0])
+            found.append((name, SecretDefinition(f"deploy/README.md `kubectl create secret {kind} {name}`", keys)))
+    return found
+
+
+def secret_definitions() -> dict[str, list[SecretDefinition]]:
+    """Secret name -> where it is defined: deploy/kubernetes' example manifests and the README's commands."""
+    definitions: dict[str, list[SecretDefinition]] = {}
+    for path, document in kubernetes_objects():
+        if document["kind"] == "Secret":
+            keys = set(document.get("data", {})) | set(document.get("stringData", {}))
+            name = document["metadata"]["name"]
+            definitions.setdefault(name, []).append(SecretDefinition(f"{rel(path)} Secret {name}", keys))
+    for name, definition in readme_secrets():
+        definitions.setdefault(name, []).append(definition)
+    return definitions
+
+
+def secrets_used(spec: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(Secret, key, or None for all of it) of every use of a Secret in a pod: volumes and environment."""
+    used: list[tuple[str, str | None]] = []
+    for secret, files in secret_volumes(spec).values():
+        used += [(secret, key) for key in files.values()] if files is not None else [(secret, None)]
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        used += [
+            (source["secretRef"]["name"], None) for source in container.get("envFrom", []) if "secretRef" in source
+        ]
+        for item in container.get("env", []):
+            if reference := item.get("valueFrom", {}).get("secretKeyRef"):
+                used.append((reference["name"], reference["key"]))
+    return used
+
+
+def secret_file(process: Process, path: str) -> tuple[str, str] | None:
+    """(Secret, key) of the mounted Secret file at path in a Kubernetes container, or None."""
+    for mount, (secret, files) in process.secret_mounts.items():
+        if PurePosixPath(path).is_relative_to(mount):
+            name = str(PurePosixPath(path).relative_to(mount))
+            if files is None:
+                return secret, name
+            return (secret, files[name]) if name in files else None
+    return None
+
+
+def test_every_secret_a_pod_uses_is_defined_with_its_keys():
+    definitions = secret_definitions()
+    problems = []
+    for where, _, spec in pod_specs():
+        for secret, key in secrets_used(spec):
+            if secret not in definitions:
+                problems.append(f"{where}: Secret {secret} is neither in an example manifest nor in deploy/README.md")
+                continue
+            for definition in definitions[secret]:
+                if key is not None and key not in definition.keys:
+                    problems.append(f"{where}: key {key} of Secret {secret} is not in {definition.where}")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_secret_defined_twice_has_the_same_keys():
+    problems = [
+        f"{first.where} has keys {sorted(first.keys)}, {other.where} {sorted(other.keys)}"
+        for definitions in secret_definitions().values()
+        for first, other in itertools.pairwise(definitions)
+        if first.keys != other.keys
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_certificates_and_keys_lie_in_what_each_container_mounts():
+    """In Kubernetes each file a container's variables name is a key of a Secret it mounts; in Compose each file
+    its command reads lies in a volume it mounts (every service shares shepherd.env, whether it reads a file or
+    not)."""
+    definitions = secret_definitions()
+    problems = []
+    for process in kubernetes_processes():
+        for setting, path in files_named(process.env):
+            found = secret_file(process, path)
+            if found is None:
+                problems.append(f"{process.where}: {setting} {path} is no file of a Secret it mounts")
+            elif not all(found[1] in definition.keys for definition in definitions.get(found[0], [])):
+                problems.append(f"{process.where}: {setting} {path} is key {found[1]}, not in Secret {found[0]}")
+    for process in compose_processes():
+        for setting, path in files_read(process):
+            if not any(PurePosixPath(path).is_relative_to(mount) for mount in process.mounts):
+                problems.append(f"{process.where}: {setting} {path} is in no volume it mounts")
+    assert not problems, "\n".join(problems)
+
+
+def test_mounted_secrets_are_readable_by_the_pods_user_alone():
+    """libpq refuses a client key that others may read, and a key belongs to the process it is mounted for."""
+    problems = []
+    for where, _, spec in pod_specs():
+        volumes = {volume["name"]: volume for volume in spec.get("volumes", []) if "secret" in volume}
+        if not volumes:
+            continue
+        security = spec.get("securityContext", {})
+        # The files are root's: the non-root user reads them through the group fsGroup adds to its processes.
+        if not security.get("runAsNonRoot") or security.get("fsGroup") is None:
+            problems.append(f"{where}: mounts Secrets but does not run as non-root with an fsGroup")
+        for name, volume in volumes.items():
+            default_mode = volume["secret"].get("defaultMode", DEFAULT_SECRET_MODE)
+            modes = [default_mode] + [item["mode"] for item in volume["secret"].get("items", []) if "mode" in item]
+            for mode in modes:
+                if mode & FORBIDDEN_SECRET_MODE_BITS:
+                    problems.append(f"{where}: Secret volume {name} has mode {mode:04o}, which libpq refuses for a key")
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] in volumes and not mount.get("readOnly"):
+                    problems.append(f"{where}: container {container['name']} mounts Secret {mount['name']} writable")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_workers_hold_temporal_credentials():
+    """The heartbeat server and migrate never talk to Temporal; the heartbeat server is what the machines reach."""
+    problems = []
+    for process in all_processes():
+        held = [name for name in TEMPORAL_CREDENTIALS if process.env.get(name)]
+        if process.command != "worker" and held:
+            problems.append(f"{process.where}: `shepherd {process.command}` is given {', '.join(held)}")
+    temporal_secrets = {
+        found[0]
+        for process in kubernetes_processes()
+        if process.command == "worker"
+        for setting, path in files_named(process.env)
+        if setting.startswith("TEMPORAL_") and (found := secret_file(process, path))
+    }
+    for process in kubernetes_processes():
+        mounted = {secret for secret, _ in process.secret_mounts.values()} & temporal_secrets
+        if process.command != "worker" and mounted:
+            problems.append(f"{process.where}: `shepherd {process.command}` mounts {', '.join(sorted(mounted))}")
+    # The production-shaped workers use mutual TLS, so the checks above have something to hold.
+    for process in kubernetes_processes() + systemd_processes():
+        if process.command == "worker" and not process.env.get("TEMPORAL_TLS_CLIENT_KEY_PATH"):
+            problems.append(f"{process.where}: the worker has no TEMPORAL_TLS_CLIENT_KEY_PATH")
+    assert not problems, "\n".join(problems)
+
+
+def test_temporal_is_found_through_the_temporal_clis_variables():
+    """SHEPHERD_TEMPORAL_ADDRESS and _NAMESPACE would win over TEMPORAL_ADDRESS and the rest of the Temporal CLI's
+    configuration, which the `temporal` commands of deploy/README.md read too: set here, the two would split one
+    connection between two sets of variables, and `temporal` would reach another cluster than Shepherd."""
+    problems = []
+    shepherds = [f"SHEPHERD_{name.upper()}" for name in SHEPHERDS_TEMPORAL_SETTINGS]
+    environments = [(process.where, process.env) for process in all_processes()] + readme_env_blocks()
+    environments += [
+        (rel(path), env_file(path)) for path in deploy_files() if path.name.endswith((".env", ".env.example"))
+    ]
+    environments += [
+        (f"{rel(path)} {kind} {name}", data) for (kind, name), (path, data) in kubernetes_env_sources().items()
+    ]
+    for where, env in environments:
+        problems += [f"{where}: sets {name}" for name in shepherds if name in env]
+    for path in deploy_files():
+        if path.suffix == ".toml":
+            settings = tomllib.loads(path.read_text())
+            problems += [f"{rel(path)}: sets {name}" for name in SHEPHERDS_TEMPORAL_SETTINGS if name in settings]
+    for process in all_processes():
+        if process.command == "worker":
+            problems += [
+                f"{process.where}: no {name}"
+                for name in ("TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE")
+                if name not in process.env
+            ]
+    assert not problems, "\n".join(problems)
+
+
+def unit_credentials(unit: Unit) -> dict[str, str]:
+    """Credential id -> the file it is loaded from, of a unit's LoadCredential= and LoadCredentialEncrypted=."""
+    credentials = {}
+    for key in ("LoadCredential", "LoadCredentialEncrypted"):
+        for value in unit.directives.get(key, []):
+            identifier, _, source = value.partition(":")
+            credentials[identifier] = source
+    return credentials
+
+
+def test_systemd_credentials_are_loaded_and_used():
+    problems = []
+    for unit in systemd_units():
+        credentials = unit_credentials(unit)
+        used = set()
+        for key, values in unit.directives.items():
+            for value in values:
+                for identifier in CREDENTIAL_SPECIFIER_RE.findall(value):
+                    used.add(identifier)
+                    if identifier not in credentials:
+                        problems.append(
+                            f"{rel(unit.path)}: {key}= reads credential {identifier}, loaded by no LoadCredential="
+                        )
+        for identifier, source in credentials.items():
+            if identifier not in used:
+                problems.append(f"{rel(unit.path)}: credential {identifier} is loaded but no setting points at it")
+            if not PurePosixPath(source).is_absolute():
+                problems.append(f"{rel(unit.path)}: credential {identifier} is loaded from {source!r}, not a file")
+        # systemd expands %d in a unit's own lines only, never in an EnvironmentFile=.
+        for example in unit_env_files(unit):
+            for variable, value in env_file(example).items():
+                if CREDENTIAL_SPECIFIER_RE.search(value):
+                    problems.append(
+                        f"{rel(example)}: {variable} points into the credentials directory, never expanded there"
+                    )
+    assert not problems, "\n".join(problems)
+
+
+def test_systemd_environment_files_do_not_override_the_units():
+    """An EnvironmentFile= wins over Environment=: a variable set in both would make the unit's line dead."""
+    problems = [
+        f"{rel(example)}: sets {variable}, overriding {rel(unit.path)}"
+        for unit in systemd_units()
+        for example in unit_env_files(unit)
+        for variable in sorted(set(unit_own_env(unit)) & set(env_file(example)))
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_systemd_loads_the_units_without_a_warning(tmp_path):
+    """systemd-analyze verify reads the units as systemd does: unknown keys, bad specifiers, bad values."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.fail("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    # The units name the installed command; verify checks that it exists, so this checkout's stands in for it.
+    here = Path(sys.executable).parent / IMAGE
+    if not here.exists():
+        pytest.fail(f"no {here} to stand in for the installed command: install the project in this environment")
+    units = []
+    for unit in systemd_units():
+        copy = tmp_path / unit.path.name
+        copy.write_text(unit.path.read_text().replace(f"/opt/shepherd/.venv/bin/{IMAGE}", str(here)))
+        units.append(str(copy))
+    result = subprocess.run([analyze, "verify", "--man=no", *units], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr

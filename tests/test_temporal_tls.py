@@ -1,5 +1,6 @@
-"""Temporal behind nginx as a gRPC proxy that demands client certificates: a fleet comes up through it, and each
-way a TLS connection can be wrong is one line naming the cause and the setting."""
+"""Temporal behind nginx as a gRPC proxy that demands client certificates or an API key: a fleet comes up through
+it either way, and each way a TLS connection or an API key can be wrong is one line naming the cause and the
+setting."""
 
 from __future__ import annotations
 
@@ -39,6 +40,21 @@ def mutual_tls(proxy: TemporalProxy, certificates: ProxyCertificates, namespace:
         "TEMPORAL_TLS_CLIENT_CERT_PATH": str(certificates.client.certificate),
         "TEMPORAL_TLS_CLIENT_KEY_PATH": str(certificates.client.key),
     }
+
+
+def api_key(address: str, certificates: ProxyCertificates, namespace: str, key: str | None) -> dict[str, str]:
+    """The Temporal CLI's variables of a client that shows an API key, and no client certificate, to the proxy."""
+    variables = {
+        "TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml",
+        "TEMPORAL_ADDRESS": address,
+        "TEMPORAL_NAMESPACE": namespace,
+        # The proxy's certificate is from the tests' own CA, not one of the system's.
+        "TEMPORAL_TLS_SERVER_NAME": SERVER_NAME,
+        "TEMPORAL_TLS_SERVER_CA_CERT_PATH": str(certificates.ca),
+    }
+    if key is not None:
+        variables["TEMPORAL_API_KEY"] = key
+    return variables
 
 
 def set_environment(monkeypatch, variables: dict[str, str]) -> None:
@@ -121,3 +137,72 @@ async def test_each_tls_mistake_is_one_line_naming_the_cause_and_the_setting(
     assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
     assert expected in err, err
     assert "Traceback" not in err
+
+
+async def test_a_fleet_comes_up_through_a_proxy_that_demands_an_api_key(
+    tmp_path, monkeypatch, proxy, certificates, temporal_client, bmdb_url, shepherd_cli
+):
+    variables = api_key(proxy.api_key_address, certificates, temporal_client.namespace, proxy.api_key)
+    set_environment(monkeypatch, variables)
+    client = await connect_temporal(Settings())
+    assert client.service_client.config.target_host == proxy.api_key_address
+    async with fleet_stack(tmp_path, client, bmdb_url, machines=1) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(nodes(1), MachineStage.WATCHING)
+        code, out, err = await shepherd_cli({**variables, "SHEPHERD_DATABASE_URL": bmdb_url}, "status", "node-0001")
+        assert code == 0, err
+        assert "WATCHING" in out
+
+
+@pytest.mark.parametrize("door", ["grpc-status", "http-401"])
+@pytest.mark.parametrize(
+    ("sends_key", "problem"),
+    [
+        pytest.param(
+            True,
+            "the server refused the API key (environment TEMPORAL_API_KEY): check TEMPORAL_API_KEY",
+            id="wrong-key",
+        ),
+        pytest.param(
+            False,
+            "the server demands credentials: an API key (TEMPORAL_API_KEY) or a client certificate",
+            id="no-key",
+        ),
+    ],
+)
+async def test_a_refused_api_key_is_one_line_naming_the_setting_and_never_the_key(
+    door, sends_key, problem, proxy, certificates, temporal_env, shepherd_cli, bmdb_url
+):
+    address = proxy.api_key_address if door == "grpc-status" else proxy.api_key_http_address
+    # Close to the right key, so that a message quoting either would be caught below.
+    wrong = f"{proxy.api_key[:-4]}XXXX"
+    variables = api_key(address, certificates, temporal_env.client.namespace, wrong if sends_key else None)
+    code, out, err = await shepherd_cli({**variables, "SHEPHERD_DATABASE_URL": bmdb_url}, "machines")
+    assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert problem in err, err
+    assert wrong not in err and proxy.api_key not in err
+    assert proxy.api_key[:8] not in err and "Bearer" not in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["right-key", "wrong-key"])
+async def test_an_api_key_from_a_profile_gets_through_or_is_named_by_its_profile(
+    right, tmp_path, proxy, certificates, temporal_env, shepherd_cli, bmdb_url
+):
+    """A temporal.toml profile keeps the key out of the environment (the systemd unit passes one as a credential);
+    a refusal then names the profile, not a variable that is not set."""
+    key = proxy.api_key if right else f"{proxy.api_key[:-4]}XXXX"
+    profile = tmp_path / "temporal.toml"
+    profile.write_text(
+        f'[profile.default]\naddress = "{proxy.api_key_address}"\nnamespace = "{temporal_env.client.namespace}"\n'
+        f'api_key = "{key}"\n'
+        f'[profile.default.tls]\nserver_name = "{SERVER_NAME}"\nserver_ca_cert_path = "{certificates.ca}"\n'
+    )
+    variables = {"TEMPORAL_CONFIG_FILE": str(profile), "SHEPHERD_DATABASE_URL": bmdb_url}
+    code, out, err = await shepherd_cli(variables, "machines")
+    if right:
+        assert (code, err) == (0, ""), err
+        return
+    assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert f"the server refused the API key (profile default of {profile}): check api_key in the profile" in err
+    assert key not in err and proxy.api_key not in err
