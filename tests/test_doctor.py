@@ -7,6 +7,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,24 +24,32 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from agent.build import build_agent_executable
 from bmdb import migrate
 from bmdb.store import BMDB
 from foundation.settings import Settings
-from foundation.ssh_identity import load_or_create_ssh_key
 from foundation.tls import CertificateAuthority, subject_alternative_name
 from processes.heartbeat_server import HeartbeatService, build_server
 from processes.worker import ensure_fleet_schedules
-from shepherd.commands.dev import AGENT_ENDPOINT, settings_environment
-from shepherd.commands.doctor import CLOCK_PROBE_WORKFLOW, embedded_stack
-from simulator import Simulator, SimulatorConfig
+from shepherd.commands.dev import AGENT_ENDPOINT
+from shepherd.commands.doctor import (
+    CLOCK_PROBE_WORKFLOW,
+    Poller,
+    embedded_stack,
+    shown_identities,
+    task_queue_pollers,
+    worker_task_queues,
+)
 from tests.conftest import database_url
+from tests.fleet_stack import fleet_stack
 from tests.temporal_proxy import free_port
+from tests.test_recovery import wait_for
 
 EVERY_CHECK = [
     "temporal",
     "temporal namespace",
     "search attributes",
+    "workers",
+    "workers sim",
     "fleet sim",
     "temporal clock",
     "bmdb",
@@ -84,39 +93,58 @@ def days_from_now(days: float) -> datetime:
     return datetime.now(UTC) + timedelta(days=days)
 
 
+@asynccontextmanager
+async def installed(
+    tmp_path: Path, temporal_client: Client, bmdb_url: str, bmdb: BMDB, *, run_worker: bool
+) -> AsyncIterator[Installation]:
+    agents_ca = CertificateAuthority("agents' CA", days_from_now(-400), days_from_now(3650))
+    (tmp_path / "agents-ca.pem").write_bytes(agents_ca.certificate_pem)
+    # A real deployment's: the agents' CA file, a TLS heartbeat server, an SSH key 0600 (the worker's start
+    # creates it), an agent executable, and a Shepherd worker polling its task queues unless run_worker is false.
+    found = Installation({}, tmp_path, bmdb, agents_ca, [])
+    try:
+        endpoint = await found.serve_heartbeats(agents_ca, days_from_now(365))
+        async with fleet_stack(
+            tmp_path,
+            temporal_client,
+            bmdb_url,
+            machines=1,
+            run_worker=run_worker,
+            agent_endpoint=endpoint,
+            agent_endpoint_ca_certificate_path=tmp_path / "agents-ca.pem",
+            # No pass comes due while the test runs (passes fall on multiples of the interval since the epoch).
+            reconcile_interval=7 * 86400.0,
+        ) as stack:
+            await ensure_fleet_schedules(temporal_client, stack.settings)
+            if run_worker:
+                queues = worker_task_queues(stack.settings)
+
+                async def every_queue_polled() -> bool:
+                    return all([await task_queue_pollers(temporal_client, queue, kind) for _, queue, kind in queues])
+
+                # A worker's first polls reach the server a moment after it starts.
+                await wait_for(every_queue_polled, limit=30, what="the worker polling each of its task queues")
+            found.env = stack.environment(bmdb_url)
+            yield found
+    finally:
+        for server in found.servers:
+            await server.stop(None)
+
+
 @pytest.fixture
 async def installation(
     tmp_path: Path, temporal_client: Client, bmdb_url: str, bmdb: BMDB
 ) -> AsyncIterator[Installation]:
-    simulator = Simulator(SimulatorConfig(machines=1, state_dir=tmp_path / "sim", api_port=0))
-    await simulator.start()
-    agents_ca = CertificateAuthority("agents' CA", days_from_now(-400), days_from_now(3650))
-    (tmp_path / "agents-ca.pem").write_bytes(agents_ca.certificate_pem)
-    # A real deployment's: the agents' CA file, a TLS heartbeat server, an SSH key 0600, an agent executable.
-    found = Installation({}, tmp_path, bmdb, agents_ca, [])
-    endpoint = await found.serve_heartbeats(agents_ca, days_from_now(365))
-    settings = Settings(
-        temporal_address=temporal_client.service_client.config.target_host,
-        temporal_namespace=temporal_client.namespace,
-        task_queue=f"shepherd-{uuid.uuid4().hex[:8]}",
-        state_dir=tmp_path / "state",
-        sim_api_url=simulator.api_url,
-        ssh_key_path=tmp_path / "ssh_key",
-        agent_executable_path=build_agent_executable(tmp_path / "agent.pyz"),
-        agent_endpoint=endpoint,
-        agent_endpoint_ca_certificate_path=tmp_path / "agents-ca.pem",
-        # No pass comes due while the test runs (passes fall on multiples of the interval since the epoch).
-        reconcile_interval=7 * 86400.0,
-    )
-    load_or_create_ssh_key(settings.effective_ssh_key_path)
-    await ensure_fleet_schedules(temporal_client, settings)
-    found.env = {**settings_environment(settings), "SHEPHERD_DATABASE_URL": bmdb_url}
-    try:
+    async with installed(tmp_path, temporal_client, bmdb_url, bmdb, run_worker=True) as found:
         yield found
-    finally:
-        for server in found.servers:
-            await server.stop(None)
-        await simulator.stop()
+
+
+@pytest.fixture
+async def installation_without_worker(
+    tmp_path: Path, temporal_client: Client, bmdb_url: str, bmdb: BMDB
+) -> AsyncIterator[Installation]:
+    async with installed(tmp_path, temporal_client, bmdb_url, bmdb, run_worker=False) as found:
+        yield found
 
 
 @dataclass(frozen=True)
@@ -170,6 +198,13 @@ async def test_a_healthy_installation_passes_every_check(installation, shepherd_
     assert report.detail("search attributes") == (
         f"MachineStage, Provider, ProviderId, MachineId registered in {temporal_client.namespace}"
     )
+    queue, identity = installation.env["SHEPHERD_TASK_QUEUE"], temporal_client.identity
+    assert report.detail("workers").startswith(
+        f"1 poller of workflow tasks on task queue {queue}: {identity}; last poll "
+    )
+    assert report.detail("workers sim").startswith(
+        f"1 poller of activity tasks on task queue {queue}-provider-sim: {identity}; last poll "
+    )
     assert report.detail("fleet sim").startswith("shepherd-fleet-sim: running, every 604800s")
     assert report.detail("fleet sim").endswith("; no passes yet")
     assert report.detail("bmdb schema") == f"at the newest migration, {migrate.head_revision()}"
@@ -198,6 +233,12 @@ async def test_a_healthy_installation_passes_every_check(installation, shepherd_
     for clock in ("temporal clock", "bmdb clock"):
         assert abs(checks[clock]["offset_seconds"]) <= checks[clock]["uncertainty_seconds"] + 0.05
     assert checks["fleet sim"]["paused"] is False and checks["fleet sim"]["last_pass"] is None
+    for name, task_queue, kind in (
+        ("workers", queue, "workflow"),
+        ("workers sim", f"{queue}-provider-sim", "activity"),
+    ):
+        assert (checks[name]["task_queue"], checks[name]["kind"]) == (task_queue, kind)
+        assert checks[name]["pollers"] == [identity] and checks[name]["gone"] == []
 
     # The clock probes (one a run) were terminated at once: nothing polls their task queue to run them.
     query = f'WorkflowType = "{CLOCK_PROBE_WORKFLOW}"'
@@ -248,8 +289,8 @@ async def test_a_namespace_without_the_search_attributes_fails_naming_them(
         except RPCError:
             await asyncio.sleep(0.1)
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_TEMPORAL_NAMESPACE": bare})
-    # A fresh namespace has no fleet schedule either.
-    assert_only_these_fail(report, {"search attributes", "fleet sim"})
+    # A fresh namespace has no fleet schedule either, nor a worker polling in it.
+    assert_only_these_fail(report, {"search attributes", "workers", "workers sim", "fleet sim"})
     detail = report.detail("search attributes")
     assert detail.startswith(f"namespace '{bare}' lacks the search attributes MachineStage, Provider, ProviderId, ")
     assert f"temporal operator search-attribute create --namespace {bare} --name MachineId --type Keyword" in detail
@@ -264,11 +305,42 @@ async def test_a_missing_fleet_schedule_fails(installation, shepherd_cli, tempor
     )
 
 
+async def test_no_worker_running_fails_naming_each_task_queue_nobody_polls(installation_without_worker, shepherd_cli):
+    env = installation_without_worker.env
+    report = await doctor(shepherd_cli, env)
+    assert_only_these_fail(report, {"workers", "workers sim"})
+    queue = env["SHEPHERD_TASK_QUEUE"]
+    assert report.detail("workers") == f"no worker polls task queue {queue}: start `shepherd worker`"
+    assert report.detail("workers sim") == f"no worker polls task queue {queue}-provider-sim: start `shepherd worker`"
+    assert report.summary == f"{len(EVERY_CHECK)} checks: {len(EVERY_CHECK) - 2} ok, 2 fail"
+
+    code, out, _ = await shepherd_cli({}, "doctor", "--json")
+    checks = {check["name"]: check for check in json.loads(out)["checks"]}
+    assert code == 1
+    assert {key: checks["workers sim"][key] for key in ("status", "task_queue", "kind", "pollers", "gone")} == {
+        "status": "fail",
+        "task_queue": f"{queue}-provider-sim",
+        "kind": "activity",
+        "pollers": [],
+        "gone": [],
+    }
+
+
+def test_many_pollers_are_shortened_to_the_latest_three_and_a_count():
+    now = datetime.now(UTC)
+    pollers = [Poller(f"{pid}@worker{pid}", now - timedelta(seconds=pid)) for pid in range(1, 6)]
+    assert shown_identities(pollers[:1]) == "1@worker1"
+    assert shown_identities(pollers[:3]) == "1@worker1, 2@worker2, 3@worker3"
+    assert shown_identities(pollers) == "1@worker1, 2@worker2, 3@worker3 and 2 more"
+
+
 async def test_an_unreachable_temporal_fails_and_skips_what_needs_it(installation, shepherd_cli):
     port = free_port()
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_TEMPORAL_ADDRESS": f"127.0.0.1:{port}"})
     assert_only_these_fail(
-        report, {"temporal"}, {"temporal namespace", "search attributes", "fleet sim", "temporal clock"}
+        report,
+        {"temporal"},
+        {"temporal namespace", "search attributes", "workers", "workers sim", "fleet sim", "temporal clock"},
     )
     assert report.detail("temporal") == (
         f"cannot reach Temporal at 127.0.0.1:{port} (Shepherd setting temporal_address), namespace "
@@ -277,6 +349,7 @@ async def test_an_unreachable_temporal_fails_and_skips_what_needs_it(installatio
     )
     assert report.detail("temporal namespace") == "needs temporal, which failed"
     assert report.detail("fleet sim") == "needs temporal namespace; temporal failed"
+    assert report.detail("workers") == "needs temporal namespace; temporal failed"
 
     code, out, _ = await shepherd_cli({}, "doctor", "--json")
     checks = {check["name"]: check for check in json.loads(out)["checks"]}

@@ -1,10 +1,10 @@
 """``shepherd doctor``: what an operator runs first when something is wrong, one line a check.
 
-Temporal (the connection in effect, the namespace, the search attributes, each fleet schedule, the server's
-clock), BMDB (reachable, schema, clock), the heartbeat endpoint as the agents see it (TLS with their CA, the
-certificate's expiry), the SSH key, the agent executable and every provider instance. Each check has a time
-limit, so doctor never hangs; a check that needs another is skipped, naming it, when that one failed. Exit 1
-when any check failed; warnings do not fail.
+Temporal (the connection in effect, the namespace, the search attributes, the workers polling each task queue,
+each fleet schedule, the server's clock), BMDB (reachable, schema, clock), the heartbeat endpoint as the agents
+see it (TLS with their CA, the certificate's expiry), the SSH key, the agent executable and every provider
+instance. Each check has a time limit, so doctor never hangs; a check that needs another is skipped, naming it,
+when that one failed. Exit 1 when any check failed; warnings do not fail.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
@@ -31,8 +31,9 @@ from typing import Any, NoReturn, TextIO
 
 from cryptography import x509
 from cryptography.x509.oid import NameOID
-from temporalio.api.enums.v1 import NamespaceState
-from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, GetSystemInfoRequest
+from temporalio.api.enums.v1 import NamespaceState, TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, DescribeTaskQueueRequest, GetSystemInfoRequest
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -49,12 +50,13 @@ from foundation.startup import (
 )
 from foundation.temporal_connection import TemporalConfigError, TemporalConnection, load_temporal_connection
 from foundation.tls import days_left, load_ca_certificates
-from lifecycle.contracts import SEARCH_ATTRIBUTES
+from lifecycle.contracts import SEARCH_ATTRIBUTES, provider_task_queue
 from providers import Availability, ProviderError
 from providers.registry import open_provider
 from shepherd.commands.base import EXIT_FAILURE, EXIT_OK, Subcommands, add_common, duration_arg
 from shepherd.commands.dev import DevOptions, dev_settings, embedded_environment
 from shepherd.commands.fleet import FleetError, last_passes, schedule_line
+from shepherd.commands.machines import age
 
 # Each check's time limit unless --timeout says otherwise: longer than any healthy answer, short enough to wait.
 DEFAULT_TIMEOUT = 10.0
@@ -69,6 +71,16 @@ CLOCK_FAIL_SECONDS = 30.0
 CLOCK_PROBE_WORKFLOW = "ShepherdDoctorClockProbe"
 CLOCK_PROBE_TASK_QUEUE = "shepherd-doctor-clock-probe"
 CLOCK_PROBE_TIMEOUT = timedelta(minutes=1)
+# A worker polls again as soon as a poll ends, and the server ends one that found no task after a minute: a poller
+# unseen for two minutes has stopped, or (for activities) has no free slot to poll with. The server goes on listing
+# it until five minutes after its last poll.
+POLLER_GONE_AFTER = timedelta(minutes=2)
+# Identities named in a line, the latest first; --json lists every one.
+POLLERS_SHOWN = 3
+TASK_QUEUE_TYPES = {
+    "workflow": TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+    "activity": TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+}
 # What the embedded stack keeps in its state dir, by which doctor recognizes it (shepherd dev writes both).
 EMBEDDED_TEMPORAL_STATE = "temporal.db"
 EMBEDDED_PROVIDERS_FILE = "dev-providers.toml"
@@ -190,6 +202,44 @@ def _count(number: int, thing: str) -> str:
     return f"{number} {thing}" if number == 1 else f"{number} {thing}s"
 
 
+@dataclass(frozen=True)
+class Poller:
+    """A worker Temporal lists as polling a task queue: its identity (pid@host unless set) and its last poll."""
+
+    identity: str
+    last_poll: datetime
+
+
+async def task_queue_pollers(client: Client, task_queue: str, kind: str) -> list[Poller]:
+    """The workers Temporal lists as polling task_queue for tasks of kind ("workflow" or "activity"), latest first."""
+    described = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=task_queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+            task_queue_type=TASK_QUEUE_TYPES[kind],
+        )
+    )
+    pollers = [Poller(poller.identity, poller.last_access_time.ToDatetime(UTC)) for poller in described.pollers]
+    return sorted(pollers, key=lambda poller: poller.last_poll, reverse=True)
+
+
+def worker_task_queues(settings: Settings) -> list[tuple[str, str, str]]:
+    """(check, task queue, kind of task) of every queue Shepherd's workers poll, as build_workers lays them out: the
+    workflows on task_queue, and each provider instance's activities on a queue of its own."""
+    queue = settings.task_queue
+    return [("workers", queue, "workflow")] + [
+        (f"workers {instance.name}", provider_task_queue(queue, instance.name), "activity")
+        for instance in settings.provider_instances
+    ]
+
+
+def shown_identities(pollers: Sequence[Poller]) -> str:
+    """'a@h1, b@h2, c@h3 and 2 more': a line stays readable however many workers poll."""
+    named = ", ".join(poller.identity for poller in pollers[:POLLERS_SHOWN])
+    more = len(pollers) - POLLERS_SHOWN
+    return f"{named} and {more} more" if more > 0 else named
+
+
 def _expiry(certificate: x509.Certificate) -> tuple[str, dict[str, Any]]:
     """'expires in 41 days (2027-01-04 10:00 UTC)' or 'expired 3 days ago (...)', and the facts for --json."""
     left = days_left(certificate)
@@ -272,6 +322,7 @@ class Doctor:
             "temporal",
             "temporal namespace",
             "search attributes",
+            *(name for name, _, _ in worker_task_queues(self.settings)),
             *(f"fleet {name}" for name in instances),
             "temporal clock",
             "bmdb",
@@ -302,6 +353,8 @@ class Doctor:
         await self.check("temporal", self.temporal)
         await self.check("temporal namespace", self.namespace, needs=["temporal"])
         await self.check("search attributes", self.search_attributes, needs=["temporal namespace"])
+        for name, task_queue, kind in worker_task_queues(self.settings):
+            await self.check(name, partial(self.workers, task_queue, kind), needs=["temporal namespace"])
         for instance in self.settings.provider_instances:
             await self.check(f"fleet {instance.name}", partial(self.fleet, instance.name), needs=["temporal namespace"])
         await self.check("temporal clock", self.temporal_clock, needs=["temporal namespace"])
@@ -367,6 +420,35 @@ class Doctor:
         if missing:
             fail(search_attributes_missing(namespace, missing), missing=missing)
         return ok(f"{', '.join(names)} registered in {namespace}", missing=[])
+
+    async def workers(self, task_queue: str, kind: str) -> Verdict:
+        assert self.client is not None
+        pollers = await task_queue_pollers(self.client, task_queue, kind)
+        now = datetime.now(UTC)
+        polling = [poller for poller in pollers if now - poller.last_poll <= POLLER_GONE_AFTER]
+        gone = [poller for poller in pollers if poller not in polling]
+        facts = {
+            "task_queue": task_queue,
+            "kind": kind,
+            "pollers": [poller.identity for poller in polling],
+            "gone": [poller.identity for poller in gone],
+        }
+        start = "start `shepherd worker`"
+        if not pollers:
+            fail(f"no worker polls task queue {task_queue}: {start}", **facts)
+        last = f"last poll {age(pollers[0].last_poll, now)} ago"
+        if not polling:
+            by = f"{last}, by {shown_identities(gone)}"
+            if kind == "activity":
+                # A worker whose activity slots are all taken does not poll until one frees: busy, not gone.
+                return warn(
+                    f"no poll of task queue {task_queue} for a while ({by}): its workers are stopped, or busy in "
+                    f"every activity slot (max_concurrent_activities); if stopped, {start}",
+                    **facts,
+                )
+            fail(f"no worker polls task queue {task_queue} ({by}): {start}", **facts)
+        polled = f"{_count(len(polling), 'poller')} of {kind} tasks on task queue {task_queue}"
+        return ok(f"{polled}: {shown_identities(polling)}; {last}", **facts)
 
     async def fleet(self, provider: str) -> Verdict:
         assert self.client is not None
