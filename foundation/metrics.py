@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,12 +148,23 @@ class CertificateExpiry:
 
     async def run(self, stop: asyncio.Event, interval: float = CERTIFICATE_REFRESH) -> None:
         """Refresh every interval until stop is set, so the days go down as time passes."""
-        while not stop.is_set():
-            try:
-                self.refresh()
-            except Exception as error:  # a gauge a little stale beats a process that stops
-                log.warning("certificate expiry not updated: %s", error)
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
-            except TimeoutError:
-                pass
+
+        async def refresh() -> None:
+            self.refresh()
+
+        await refresh_gauges(stop, interval, refresh, "certificate expiry")
+
+
+async def refresh_gauges(
+    stop: asyncio.Event, interval: float, refresh: Callable[[], Awaitable[None]], what: str
+) -> None:
+    """Run refresh every interval until stop is set; a failed refresh is logged and tried again next time."""
+    while not stop.is_set():
+        try:
+            await refresh()
+        except Exception as error:  # a gauge a little stale beats a process that stops
+            log.warning("%s not updated: %s", what, error)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except TimeoutError:
+            pass

@@ -54,6 +54,7 @@ from foundation.metrics import (
     certificate_file,
     meter_of,
     metrics_runtime,
+    refresh_gauges,
 )
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
@@ -207,33 +208,28 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
     Every worker reports the same numbers; dashboards take the max over workers.
     """
     settings = deps.settings
-    interval = min(settings.reconcile_interval, 30.0)
-    while not stop.is_set():
-        try:
-            for stage in MachineStage:
-                counted = await client.count_workflows(f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} = "{stage.value}"')
-                deps.metrics.machines.set(counted.count, {"stage": stage.value})
-            deps.metrics.heartbeat_age_max.set(await deps.bmdb.oldest_heartbeat_age() or 0.0)
-            stuck = await deps.bmdb.count_stuck()
-            held = {hold.provider: hold for hold in await deps.bmdb.held_recoveries()}
-            for instance in settings.provider_instances:
-                silent = await deps.bmdb.silent_machines(
-                    instance.name,
-                    as_of=datetime.now(UTC),
-                    first_heartbeat_within=settings.first_heartbeat_timeout,
-                    heartbeat_within=settings.heartbeat_timeout,
-                )
-                deps.metrics.machines_silent.set(len(silent), {"provider": instance.name})
-                hold = held.get(instance.name)
-                count = hold.silent_count if hold is not None and hold.released_at is None else 0
-                deps.metrics.recoveries_held.set(count, {"provider": instance.name})
-                deps.metrics.machines_stuck.set(stuck.get(instance.name, 0), {"provider": instance.name})
-        except Exception as error:  # a gauge a little stale beats a worker that stops
-            log.warning("fleet gauges not updated: %s", error)
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval)
-        except TimeoutError:
-            pass
+
+    async def refresh() -> None:
+        for stage in MachineStage:
+            counted = await client.count_workflows(f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} = "{stage.value}"')
+            deps.metrics.machines.set(counted.count, {"stage": stage.value})
+        deps.metrics.heartbeat_age_max.set(await deps.bmdb.oldest_heartbeat_age() or 0.0)
+        stuck = await deps.bmdb.count_stuck()
+        held = {hold.provider: hold for hold in await deps.bmdb.held_recoveries()}
+        for instance in settings.provider_instances:
+            silent = await deps.bmdb.silent_machines(
+                instance.name,
+                as_of=datetime.now(UTC),
+                first_heartbeat_within=settings.first_heartbeat_timeout,
+                heartbeat_within=settings.heartbeat_timeout,
+            )
+            deps.metrics.machines_silent.set(len(silent), {"provider": instance.name})
+            hold = held.get(instance.name)
+            count = hold.silent_count if hold is not None and hold.released_at is None else 0
+            deps.metrics.recoveries_held.set(count, {"provider": instance.name})
+            deps.metrics.machines_stuck.set(stuck.get(instance.name, 0), {"provider": instance.name})
+
+    await refresh_gauges(stop, min(settings.reconcile_interval, 30.0), refresh, "fleet gauges")
 
 
 def watch_certificates(

@@ -102,6 +102,26 @@ async def register_search_attributes(client: Client, namespace: str) -> None:
     )
 
 
+async def register_bare_namespace(client: Client) -> str:
+    """A new namespace without Shepherd's search attributes, once the server answers for it."""
+    from google.protobuf.duration_pb2 import Duration
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+    from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+
+    name = f"bare-{uuid.uuid4().hex[:10]}"
+    await client.workflow_service.register_namespace(
+        RegisterNamespaceRequest(namespace=name, workflow_execution_retention_period=Duration(seconds=86400))
+    )
+    # A new namespace takes a moment to reach every part of the server.
+    for _ in range(100):
+        try:
+            await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=name))
+            return name
+        except RPCError:
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"namespace {name} did not become usable")
+
+
 async def create_namespace(env: WorkflowEnvironment) -> Client:
     """A client on a namespace of its own, with Shepherd's search attributes registered.
 

@@ -17,15 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.tls import CertificateAuthority, subject_alternative_name
+from tests.certificates import Issued, write_issued
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 SERVER_NAME = "temporal.test"
-
-
-@dataclass(frozen=True)
-class Issued:
-    certificate: Path
-    key: Path
 
 
 @dataclass(frozen=True)
@@ -46,13 +41,8 @@ def _issue(
         valid_from, valid_until = now - datetime.timedelta(days=10), now - datetime.timedelta(days=1)
     else:
         valid_from, valid_until = now - datetime.timedelta(days=1), now + datetime.timedelta(days=30)
-    certificate, key = authority.issue(
-        name, valid_from, valid_until, subject_alternative_name(name) if server else None
-    )
-    issued = Issued(directory / f"{name}.pem", directory / f"{name}.key")
-    issued.certificate.write_bytes(certificate)
-    issued.key.write_bytes(key)
-    return issued
+    issued = authority.issue(name, valid_from, valid_until, subject_alternative_name(name) if server else None)
+    return write_issued(directory, name, issued)
 
 
 def make_certificates(directory: Path) -> ProxyCertificates:

@@ -32,18 +32,13 @@ from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.startup import StartupError
 from foundation.tls import CertificateAuthority, subject_alternative_name
+from tests.certificates import Issued, write_issued
 
 HOST = "127.0.0.1"
 # The URL carries it in every test, and no message may show it.
 PASSWORD = "not-for-the-logs-7f3a"
 # PostgreSQL refuses to run as root: as root, the server runs as the user the pgserver wheel runs it as.
 SERVER_USER = "pgserver"
-
-
-@dataclass(frozen=True)
-class Issued:
-    certificate: Path
-    key: Path
 
 
 @dataclass(frozen=True)
@@ -103,12 +98,6 @@ def _write(path: Path, content: bytes, mode: int) -> Path:
     path.write_bytes(content)
     path.chmod(mode)
     return path
-
-
-def _client(directory: Path, name: str, issued: tuple[bytes, bytes]) -> Issued:
-    return Issued(
-        _write(directory / f"{name}.pem", issued[0], 0o644), _write(directory / f"{name}.key", issued[1], 0o600)
-    )
 
 
 def _run(command: list[str | Path], user: str | None) -> None:
@@ -178,9 +167,9 @@ def tls_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSPostgr
     ca = _write(directory / "ca.pem", authority.certificate_pem, 0o644)
     other_ca = _write(directory / "other-ca.pem", other.certificate_pem, 0o644)
     # A client certificate's common name is the database user it logs in as (pg_hba `cert`).
-    client = _client(directory, "client", authority.issue("shepherd_mtls", valid_from, valid_until))
-    stranger = _client(directory, "stranger", other.issue("shepherd_mtls", valid_from, valid_until))
-    other_user = _client(directory, "other-user", authority.issue("someone_else", valid_from, valid_until))
+    client = write_issued(directory, "client", authority.issue("shepherd_mtls", valid_from, valid_until))
+    stranger = write_issued(directory, "stranger", other.issue("shepherd_mtls", valid_from, valid_until))
+    other_user = write_issued(directory, "other-user", authority.issue("someone_else", valid_from, valid_until))
     # Not under pytest's temporary directory: a pytest run that starts meanwhile makes its root private again, and
     # the server, running as another user, could no longer reach its files.
     server_directory = Path(tempfile.mkdtemp(prefix="shepherd-bmdb-tls-"))

@@ -12,6 +12,7 @@ import pytest
 
 from agent.build import build_agent_executable
 from bmdb import migrate
+from tests.conftest import register_bare_namespace
 
 
 def shepherd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -63,24 +64,7 @@ def test_worker_refuses_an_unreachable_temporal(agent_env):
 
 
 async def test_worker_refuses_a_namespace_without_the_search_attributes(agent_env, temporal_env):
-    from google.protobuf.duration_pb2 import Duration
-    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-    from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
-    from temporalio.service import RPCError
-
-    bare = f"bare-{os.getpid()}-{id(agent_env)}"
-    await temporal_env.client.workflow_service.register_namespace(
-        RegisterNamespaceRequest(namespace=bare, workflow_execution_retention_period=Duration(seconds=86400))
-    )
-    # A new namespace takes a moment to reach every part of the server.
-    for _ in range(100):
-        try:
-            await temporal_env.client.operator_service.list_search_attributes(
-                ListSearchAttributesRequest(namespace=bare)
-            )
-            break
-        except RPCError:
-            await asyncio.sleep(0.1)
+    bare = await register_bare_namespace(temporal_env.client)
     env = {
         **agent_env,
         "SHEPHERD_TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,

@@ -17,11 +17,7 @@ import grpc
 import psycopg
 import pytest
 from alembic.script import ScriptDirectory
-from google.protobuf.duration_pb2 import Duration
-from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from bmdb import migrate
@@ -39,7 +35,7 @@ from shepherd.commands.doctor import (
     task_queue_pollers,
     worker_task_queues,
 )
-from tests.conftest import database_url
+from tests.conftest import database_url, register_bare_namespace
 from tests.fleet_stack import fleet_stack
 from tests.temporal_proxy import free_port
 from tests.test_recovery import wait_for
@@ -275,19 +271,7 @@ async def test_a_paused_fleet_and_a_certificate_near_its_end_warn_without_failin
 async def test_a_namespace_without_the_search_attributes_fails_naming_them(
     installation, shepherd_cli, temporal_env: WorkflowEnvironment
 ):
-    bare = f"bare-{uuid.uuid4().hex[:10]}"
-    await temporal_env.client.workflow_service.register_namespace(
-        RegisterNamespaceRequest(namespace=bare, workflow_execution_retention_period=Duration(seconds=86400))
-    )
-    # A new namespace takes a moment to reach every part of the server.
-    for _ in range(100):
-        try:
-            await temporal_env.client.operator_service.list_search_attributes(
-                ListSearchAttributesRequest(namespace=bare)
-            )
-            break
-        except RPCError:
-            await asyncio.sleep(0.1)
+    bare = await register_bare_namespace(temporal_env.client)
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_TEMPORAL_NAMESPACE": bare})
     # A fresh namespace has no fleet schedule either, nor a worker polling in it.
     assert_only_these_fail(report, {"search attributes", "workers", "workers sim", "fleet sim"})
