@@ -6,7 +6,9 @@ Kept free of the rest of Shepherd: it runs inside the agent executable.
 from __future__ import annotations
 
 import os
+import queue
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +20,72 @@ from proto.signing import NONCE_SIZE, signing_payload
 
 # Never retry sooner than this, whatever the jitter draws.
 MIN_RETRY_DELAY = 0.1
+HEARTBEAT_METHOD = "/shepherd.agent.v1.AgentCallback/Heartbeat"
+HEARTBEATS_METHOD = "/shepherd.agent.v1.AgentCallback/Heartbeats"
+# The longest a heartbeat waits for its answer, on the stream as on a unary call; then the stream is given up
+# and opened again: a server that vanished without closing the connection must not hold the agent.
+ANSWER_TIMEOUT = 10.0
+# After a server without the stream (an older Shepherd) answered UNIMPLEMENTED, the unary call is used for this
+# long, then the stream is tried again: an upgraded server is used within the hour without restarting the agent,
+# and an old one costs one refused stream an agent an hour.
+STREAM_RETRY_AFTER = 3600.0
+Outcome = agent_api_pb2.HeartbeatResponse.Outcome
+
+
+class HeartbeatFailed(Exception):
+    """A heartbeat that got no outcome: the stream or the call broke, or gave no answer in time."""
+
+    def __init__(self, code_name: str, details: str) -> None:
+        super().__init__(f"{code_name}: {details}")
+        self.code_name = code_name
+
+
+class StreamUnavailable(Exception):
+    """The server has no Heartbeats stream (an older Shepherd): the unary call is used instead."""
+
+
+class HeartbeatStream:
+    """One Heartbeats stream: send a heartbeat, wait for its answer (at most ANSWER_TIMEOUT)."""
+
+    def __init__(self, channel: Any) -> None:
+        self._requests: queue.SimpleQueue[agent_api_pb2.HeartbeatRequest | None] = queue.SimpleQueue()
+        open_stream = channel.stream_stream(
+            HEARTBEATS_METHOD,
+            request_serializer=agent_api_pb2.HeartbeatRequest.SerializeToString,
+            response_deserializer=agent_api_pb2.HeartbeatResponse.FromString,
+        )
+        # gRPC reads the requests on a thread of its own, until the None that closes the stream.
+        self._call = open_stream(iter(self._requests.get, None))
+        self._timed_out = False
+
+    def exchange(self, request: agent_api_pb2.HeartbeatRequest) -> agent_api_pb2.HeartbeatResponse:
+        import grpc
+
+        self._requests.put(request)
+        timer = threading.Timer(ANSWER_TIMEOUT, self._time_out)
+        timer.daemon = True
+        timer.start()
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise HeartbeatFailed("UNAVAILABLE", "the heartbeat server closed the stream") from None
+        except grpc.RpcError as error:
+            code = error.code()
+            if code is grpc.StatusCode.UNIMPLEMENTED:
+                raise StreamUnavailable(error.details()) from None
+            if self._timed_out:
+                raise HeartbeatFailed("DEADLINE_EXCEEDED", f"no answer within {ANSWER_TIMEOUT:.0f}s") from None
+            raise HeartbeatFailed(code.name, error.details()) from None
+        finally:
+            timer.cancel()
+
+    def _time_out(self) -> None:
+        self._timed_out = True
+        self._call.cancel()
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._call.cancel()
 
 
 def signed_heartbeat(
@@ -95,13 +163,11 @@ class HeartbeatLoop:
         self.last_sent_ms = max(int(self.clock() * 1000) + self.clock_offset_ms, self.last_sent_ms + 1)
         return self.last_sent_ms
 
-    def _correct_clock(self, error: Any) -> bool:
+    def _correct_clock(self, server_time_ms: int) -> bool:
         """Take the server's time from a stale refusal; True when it moved this agent's notion of now."""
-        told = dict(error.trailing_metadata() or ()).get(SERVER_TIME_METADATA)
-        try:
-            offset = int(str(told)) - int(self.clock() * 1000)
-        except ValueError:
+        if server_time_ms <= 0:
             return False
+        offset = server_time_ms - int(self.clock() * 1000)
         if abs(offset - self.clock_offset_ms) < 1000:
             return False
         how = f"{abs(offset) / 1000:.0f}s {'behind' if offset > 0 else 'ahead of'}"
@@ -110,43 +176,86 @@ class HeartbeatLoop:
         return True
 
     def run(self, call: Callable[..., Any] | None = None) -> str:
-        """Heartbeat until a newer agent has taken over; returns why it stopped. call: the RPC (tests give one)."""
+        """Heartbeat until a newer agent has taken over; returns why it stopped.
+
+        Heartbeats go on one Heartbeats stream, opened again when it breaks; a server without it gets unary
+        Heartbeat calls. call: a unary call to use instead of a channel (tests give one).
+        """
         import grpc  # after the fork that detached the agent: grpc must not cross a fork
 
+        channel = None
         if call is None:
             channel = grpc.secure_channel(self.endpoint, self._credentials(grpc))
             call = channel.unary_unary(
-                "/shepherd.agent.v1.AgentCallback/Heartbeat",
+                HEARTBEAT_METHOD,
                 request_serializer=agent_api_pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=agent_api_pb2.HeartbeatResponse.FromString,
             )
+        unary = call
+        stream: HeartbeatStream | None = None
+        # Until when the unary call is used: for ever when a call was given, for a while after UNIMPLEMENTED.
+        unary_until = float("inf") if channel is None else 0.0
         accepted_once = False
         failures = 0
-        while True:
-            if (reason := self.stop_reason()) is not None:
-                return reason
-            try:
-                response = call(signed_heartbeat(self.machine_id, self.key, self._sent_at_ms()), timeout=10)
-            except grpc.RpcError as error:
-                code = error.code()
-                if accepted_once and code is grpc.StatusCode.UNAUTHENTICATED:
-                    return f"heartbeat refused ({error.details()}): a newer agent has taken over"
-                if code is grpc.StatusCode.FAILED_PRECONDITION and self._correct_clock(error):
+        try:
+            while True:
+                if (reason := self.stop_reason()) is not None:
+                    return reason
+                request = signed_heartbeat(self.machine_id, self.key, self._sent_at_ms())
+                try:
+                    if time.monotonic() < unary_until:
+                        response, refused_as = _unary_exchange(grpc, unary, request)
+                    else:
+                        if stream is None:
+                            stream = HeartbeatStream(channel)
+                        response = stream.exchange(request)
+                        refused_as = _outcome_name(response.outcome)
+                except StreamUnavailable:
+                    assert stream is not None
+                    stream.close()
+                    stream = None
+                    unary_until = time.monotonic() + STREAM_RETRY_AFTER
+                    self.log("the heartbeat server has no heartbeat stream (an older Shepherd): using unary calls")
+                    continue
+                except HeartbeatFailed as failure:
+                    if stream is not None:
+                        stream.close()
+                        stream = None
+                    failures += 1
+                    self._log_failure(failures, str(failure))
+                    self.sleep(retry_delay(failures, self.retry_interval, self.max_retry_interval, self.rng))
+                    continue
+                outcome = response.outcome
+                if outcome == Outcome.ACCEPTED:
+                    if failures:
+                        self.log(f"heartbeat accepted again after {failures} failure(s)")
+                    failures = 0
+                    accepted_once = True
+                    wait = response.next_heartbeat_in_ms / 1000 if response.next_heartbeat_in_ms > 0 else self.interval
+                    self.sleep(wait)
+                    continue
+                if accepted_once and outcome == Outcome.NOT_ACCEPTED:
+                    return f"heartbeat refused ({response.message}): a newer agent has taken over"
+                if outcome == Outcome.STALE and self._correct_clock(response.server_time_unix_ms):
                     # Sent again at once in the server's time; a second refusal backs off as any failure.
                     continue
                 failures += 1
+                self._log_failure(failures, f"{refused_as}: {response.message}")
                 delay = retry_delay(failures, self.retry_interval, self.max_retry_interval, self.rng)
-                # Every failure at first, then ever more rarely: a long outage must not fill the disk.
-                if failures & (failures - 1) == 0:
-                    self.log(f"heartbeat failed {failures} time(s) ({code.name}: {error.details()}); retrying")
+                if outcome == Outcome.RETRY_LATER and response.next_heartbeat_in_ms > 0:
+                    # The server's own back-off, which it spreads over the agents it turns away.
+                    delay = min(response.next_heartbeat_in_ms / 1000, self.max_retry_interval)
                 self.sleep(delay)
-                continue
-            if failures:
-                self.log(f"heartbeat accepted again after {failures} failure(s)")
-            failures = 0
-            accepted_once = True
-            wait = response.next_heartbeat_in_ms / 1000 if response.next_heartbeat_in_ms > 0 else self.interval
-            self.sleep(wait)
+        finally:
+            if stream is not None:
+                stream.close()
+            if channel is not None:
+                channel.close()
+
+    def _log_failure(self, failures: int, why: str) -> None:
+        # Every failure at first, then ever more rarely: a long outage must not fill the disk.
+        if failures & (failures - 1) == 0:
+            self.log(f"heartbeat failed {failures} time(s) ({why}); retrying")
 
     def _credentials(self, grpc: Any) -> Any:
         if not self.ca_certificates_der:
@@ -159,6 +268,38 @@ class HeartbeatLoop:
             x509.load_der_x509_certificate(der).public_bytes(Encoding.PEM) for der in self.ca_certificates_der
         )
         return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+def _unary_exchange(
+    grpc: Any, call: Callable[..., Any], request: agent_api_pb2.HeartbeatRequest
+) -> tuple[agent_api_pb2.HeartbeatResponse, str]:
+    """A unary Heartbeat call, its answer told as a stream's (a refusal's status becomes its outcome), and the
+    status's name for the log."""
+    try:
+        response: agent_api_pb2.HeartbeatResponse = call(request, timeout=ANSWER_TIMEOUT)
+    except grpc.RpcError as error:
+        code = error.code()
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            return agent_api_pb2.HeartbeatResponse(outcome=Outcome.NOT_ACCEPTED, message=error.details()), code.name
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            told = dict(error.trailing_metadata() or ()).get(SERVER_TIME_METADATA)
+            try:
+                server_time_ms = int(str(told))
+            except ValueError:
+                server_time_ms = 0
+            stale = agent_api_pb2.HeartbeatResponse(
+                outcome=Outcome.STALE, message=error.details(), server_time_unix_ms=server_time_ms
+            )
+            return stale, code.name
+        raise HeartbeatFailed(code.name, error.details()) from None
+    return response, "OK"
+
+
+def _outcome_name(outcome: int) -> str:
+    try:
+        return Outcome.Name(outcome)
+    except ValueError:
+        return f"outcome {outcome}"  # from a newer server
 
 
 def detach() -> bool:

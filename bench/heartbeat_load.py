@@ -4,7 +4,14 @@ Signs every request beforehand (the agents' keys are derived from their
 number, as bench.heartbeats registered them), says "ready" on standard output,
 waits for a line on standard input, sends them back to back with at most
 --concurrency in flight over --channels connections for --seconds, and prints
-what it saw as one JSON line. Run by bench.heartbeats, not by hand.
+what it saw as one JSON line. With --call unary each heartbeat is a Heartbeat
+call; with --call stream, --concurrency Heartbeats streams share the
+connections, and each sends its next heartbeat when the last is answered.
+
+With --idle-streams N it opens N streams over --channels connections instead,
+sends one heartbeat on each, says "open" and holds them idle until a line on
+standard input: what open streams cost the server. Run by bench.heartbeats,
+not by hand.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.heartbeat import signed_heartbeat
 from processes.heartbeat_server import SERVICE
+from proto import agent_api_pb2
+
+Outcome = agent_api_pb2.HeartbeatResponse.Outcome
 
 CALL_TIMEOUT = 10.0
 # Requests signed per machine at most: a run longer than the fleet needs sends each machine's again, a millisecond
@@ -63,24 +73,35 @@ class LoadSeen:
     p99: float
 
 
-async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> LoadSeen:
+def open_channels(args: argparse.Namespace, ca: bytes | None, count: int) -> list[grpc.aio.Channel]:
+    # A subchannel pool each, so every channel is a connection of its own.
     options = [("grpc.use_local_subchannel_pool", 1)]
     if ca is not None:
         credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-        channels = [grpc.aio.secure_channel(args.target, credentials, options=options) for _ in range(args.channels)]
-    else:
-        channels = [grpc.aio.insecure_channel(args.target, options=options) for _ in range(args.channels)]
+        return [grpc.aio.secure_channel(args.target, credentials, options=options) for _ in range(count)]
+    return [grpc.aio.insecure_channel(args.target, options=options) for _ in range(count)]
+
+
+async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> LoadSeen:
+    channels = open_channels(args, ca, args.channels)
     await asyncio.gather(*(channel.channel_ready() for channel in channels))
-    # Raw bytes both ways: the agents' serializing is done beforehand and the answers need no parsing.
-    calls = [
-        channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
-        for channel in channels
-    ]
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     latencies: list[float] = []
     rejected: Counter[str] = Counter()
     pending = iter(requests)
+    # Raw bytes both ways: the agents' serializing is done beforehand and the answers need little parsing.
+    if args.call == "unary":
+        calls = [
+            channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
+            for channel in channels
+        ]
+    else:
+        opened = [
+            channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
+            for channel in channels
+        ]
+        streams = [opened[slot % len(opened)]() for slot in range(args.concurrency)]
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     start = time.perf_counter()
     deadline = start + args.seconds
 
@@ -97,7 +118,31 @@ async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None
                 continue
             latencies.append(time.perf_counter() - sent)
 
-    await asyncio.gather(*(in_turn(slot) for slot in range(args.concurrency)))
+    async def on_stream(slot: int) -> None:
+        stream = streams[slot]
+        accepted = b""
+        for request in pending:
+            if time.perf_counter() >= deadline:
+                break
+            sent = time.perf_counter()
+            await stream.write(request)
+            answer = await stream.read()
+            if answer is grpc.aio.EOF:
+                rejected["stream ended"] += 1
+                return
+            if answer != accepted:
+                outcome = agent_api_pb2.HeartbeatResponse.FromString(answer).outcome
+                if outcome != Outcome.ACCEPTED:
+                    rejected[Outcome.Name(outcome)] += 1
+                    continue
+                accepted = answer  # every accepted answer is the same bytes
+            latencies.append(time.perf_counter() - sent)
+        await stream.done_writing()
+
+    if args.call == "unary":
+        await asyncio.gather(*(in_turn(slot) for slot in range(args.concurrency)))
+    else:
+        await asyncio.gather(*(on_stream(slot) for slot in range(args.concurrency)))
     elapsed = time.perf_counter() - start
     for channel in channels:
         await channel.close()
@@ -112,6 +157,40 @@ async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None
     )
 
 
+async def hold_idle_streams(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> None:
+    """Open --idle-streams streams, one heartbeat on each, and hold them until told on standard input."""
+    channels = open_channels(args, ca, args.channels)
+    await asyncio.gather(*(channel.channel_ready() for channel in channels))
+    opened = [
+        channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
+        for channel in channels
+    ]
+    streams: list[grpc.aio.StreamStreamCall] = []
+    refused: Counter[str] = Counter()
+
+    async def first_heartbeat(n: int) -> None:
+        stream = opened[n % len(opened)]()
+        streams.append(stream)
+        try:
+            await stream.write(requests[n % len(requests)])
+            answer = await stream.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            refused[(await stream.code()).name] += 1
+            return
+        if answer is grpc.aio.EOF or agent_api_pb2.HeartbeatResponse.FromString(answer).outcome != Outcome.ACCEPTED:
+            refused["not accepted"] += 1
+
+    # In slices, so the server is not asked to take them all at once.
+    for first in range(0, args.idle_streams, 500):
+        await asyncio.gather(*(first_heartbeat(n) for n in range(first, min(first + 500, args.idle_streams))))
+    print(json.dumps({"open": len(streams), "refused": dict(refused)}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    for stream in streams:
+        stream.cancel()
+    for channel in channels:
+        await channel.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.heartbeat_load", description=__doc__)
     parser.add_argument("--target", required=True)
@@ -121,7 +200,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--channels", type=int, required=True)
+    parser.add_argument("--call", choices=("unary", "stream"), default="unary")
+    parser.add_argument("--idle-streams", type=int, default=0, help="hold this many idle streams open instead")
     args = parser.parse_args()
+    if args.idle_streams:
+        requests = signed_requests(args.machines, min(args.idle_streams, args.machines))
+        ca = Path(args.ca).read_bytes() if args.ca else None
+        asyncio.run(hold_idle_streams(args, requests, ca))
+        return
     requests = signed_requests(args.machines, min(args.requests, args.machines * ROUNDS))
     ca = Path(args.ca).read_bytes() if args.ca else None
     print(json.dumps(asdict(asyncio.run(send(args, requests, ca)))), flush=True)

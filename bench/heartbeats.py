@@ -10,13 +10,19 @@ server       the real heartbeat server (TLS unless --plaintext), its agent keys
              loaded at start as in production, fed by a separate process
              (bench.heartbeat_load) whose agents send signed heartbeats back to
              back, at most --concurrency in flight over --channels connections,
-             for --seconds. The server's own CPU is measured apart from the load's.
+             for --seconds: on --concurrency Heartbeats streams, each sending
+             its next heartbeat when the last is answered, and as unary
+             Heartbeat calls (--call stream, unary or both, one after the
+             other against the same server). The server's own CPU is measured
+             apart from the load's.
 
 Then it times refusals one at a time: a wrong key on a real id against an
-unknown id, which must not be told apart. Run:
+unknown id, which must not be told apart; and, for a server in this process,
+what --idle-streams open idle streams cost it in memory. Run:
 
     python -m bench.heartbeats [--machines 100000] [--seconds 20] [--concurrency 200] [--channels 8]
-                               [--plaintext] [--processes 1] [--refusals 1000]
+                               [--call both] [--plaintext] [--processes 1] [--refusals 1000]
+                               [--idle-streams 10000] [--idle-channels 8]
 
 With --processes N above 1 the server is `shepherd heartbeat-server --processes N`
 instead, its processes' CPU summed.
@@ -230,6 +236,8 @@ class InProcessServer:
             self.bmdb, interval=DEFAULTS.heartbeat_interval, max_skew=DEFAULTS.heartbeat_max_skew
         )
         self.server: grpc.aio.Server | None = None
+        # Statements and heartbeats written before the load being reported.
+        self._counted = (0, 0)
 
     async def start(self, tls: tuple[Path, Path] | None) -> str:
         loaded_at = time.perf_counter()
@@ -244,14 +252,21 @@ class InProcessServer:
 
     def peak_rss(self) -> str:
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        return f"{peak_mib:,.0f} MiB (this process: the server, and the baseline before it)"
+        now_mib = status_mib(os.getpid(), "VmRSS")
+        return f"{peak_mib:,.0f} MiB, {now_mib:,.0f} MiB now (this process: the server, and the baseline before it)"
+
+    def rss_mib(self) -> float:
+        return status_mib(os.getpid(), "VmRSS")
 
     def batching(self) -> str:
         batcher = self.service.batcher
-        return f"{batcher.statements:,}, {batcher.heartbeats / max(batcher.statements, 1):.1f} heartbeats each"
+        statements, heartbeats = batcher.statements - self._counted[0], batcher.heartbeats - self._counted[1]
+        self._counted = (batcher.statements, batcher.heartbeats)
+        return f"{statements:,}, {heartbeats / max(statements, 1):.1f} heartbeats each"
 
     async def stop(self) -> None:
         if self.server is not None:
+            self.service.end_streams()
             await self.server.stop(grace=None)
         await self.service.close()
         await self.bmdb.close()
@@ -335,35 +350,77 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
             tls = (certificates.server_certificate, certificates.server_key)
             ca_certificate = certificates.ca_certificate
         target = await server.start(tls)
-        load = await start_load(args, target, ca_certificate)
-        cpu_before, pg_before = server.cpu_seconds(), postgres_cpu_seconds(pg_data)
-        load_before = process_cpu_seconds(load.pid)
-        assert load.stdin is not None and load.stdout is not None
-        load.stdin.write(b"go\n")
-        await load.stdin.drain()
-        answer = await load.stdout.readline()
-        cpu, pg_after = server.cpu_seconds() - cpu_before, postgres_cpu_seconds(pg_data)
-        load_cpu = process_cpu_seconds(load.pid) - load_before
-        if await load.wait() != 0 or not answer:
-            raise SystemExit("the load process failed")
-        seen = LoadSeen(**json.loads(answer))
-        pg_cpu = None if pg_before is None or pg_after is None else pg_after - pg_before
-        report(args, seen, cpu, pg_cpu, load_cpu, server, raw_single, raw_many)
+        clean = True
+        for call in ("stream", "unary") if args.call == "both" else (args.call,):
+            load = await start_load(args, target, ca_certificate, call)
+            cpu_before, pg_before = server.cpu_seconds(), postgres_cpu_seconds(pg_data)
+            load_before = process_cpu_seconds(load.pid)
+            assert load.stdin is not None and load.stdout is not None
+            load.stdin.write(b"go\n")
+            await load.stdin.drain()
+            answer = await load.stdout.readline()
+            cpu, pg_after = server.cpu_seconds() - cpu_before, postgres_cpu_seconds(pg_data)
+            load_cpu = process_cpu_seconds(load.pid) - load_before
+            if await load.wait() != 0 or not answer:
+                raise SystemExit("the load process failed")
+            seen = LoadSeen(**json.loads(answer))
+            pg_cpu = None if pg_before is None or pg_after is None else pg_after - pg_before
+            report(args, call, seen, cpu, pg_cpu, load_cpu, server, raw_single, raw_many)
+            clean = clean and not seen.rejected
         channel = open_channel(target, ca_certificate)
         try:
             calls = agent_api_pb2_grpc.AgentCallbackStub(channel).Heartbeat
             await refusal_timing(calls, [str(machine) for machine, _ in agents[:1000]], args.refusals)
         finally:
             await channel.close()
-        return not seen.rejected
+        if isinstance(server, InProcessServer) and args.idle_streams:
+            await idle_stream_memory(args, server, target, ca_certificate)
+        return clean
     finally:
         await server.stop()
 
 
-async def start_load(args: argparse.Namespace, target: str, ca_certificate: Path | None) -> asyncio.subprocess.Process:
+async def idle_stream_memory(
+    args: argparse.Namespace, server: InProcessServer, target: str, ca_certificate: Path | None
+) -> None:
+    """What open idle streams cost the server: its resident memory before and while they are open."""
+    command = [sys.executable, "-m", "bench.heartbeat_load", "--target", target, "--machines", str(args.machines)]
+    command += ["--requests", "0", "--seconds", "0", "--concurrency", "1", "--channels", str(args.idle_channels)]
+    command += ["--idle-streams", str(args.idle_streams)]
+    if ca_certificate is not None:
+        command += ["--ca", str(ca_certificate)]
+    before = server.rss_mib()
+    load = await asyncio.create_subprocess_exec(*command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert load.stdin is not None and load.stdout is not None
+    line = await load.stdout.readline()
+    if not line:
+        raise SystemExit("the idle-stream process failed")
+    opened = json.loads(line)
+    await asyncio.sleep(2.0)  # the last answers written, gRPC's buffers settled
+    during = server.rss_mib()
+    streams = server.service.streams
+    load.stdin.write(b"done\n")
+    await load.stdin.drain()
+    await load.wait()
+    per_stream = (during - before) * 1024 / max(streams, 1)
+    print(
+        f"idle streams: {opened['open']:,} opened over {args.idle_channels:,} connections"
+        f" (refused: {opened['refused'] or 'none'}), {streams:,} open in the server:"
+    )
+    print(
+        f"  server RSS {before:,.0f} MiB before, {during:,.0f} MiB with them open:"
+        f" {per_stream:,.1f} KiB a stream (its connection's share included),"
+        f" {per_stream * 100_000 / 1024:,.0f} MiB for 100,000"
+    )
+
+
+async def start_load(
+    args: argparse.Namespace, target: str, ca_certificate: Path | None, call: str
+) -> asyncio.subprocess.Process:
     """The load process, once it has signed its requests and connected."""
     command = [sys.executable, "-m", "bench.heartbeat_load", "--target", target, "--machines", str(args.machines)]
     command += ["--requests", str(int(args.seconds * args.expected_rate)), "--seconds", str(args.seconds)]
+    command += ["--call", call]
     command += ["--concurrency", str(args.concurrency), "--channels", str(args.channels)]
     if ca_certificate is not None:
         command += ["--ca", str(ca_certificate)]
@@ -382,6 +439,7 @@ def open_channel(target: str, ca_certificate: Path | None) -> grpc.aio.Channel:
 
 def report(
     args: argparse.Namespace,
+    call: str,
     seen: LoadSeen,
     cpu: float,
     pg_cpu: float | None,
@@ -398,10 +456,10 @@ def report(
     print(f"raw psycopg, the same conditional upsert, {RAW_CONNECTIONS} connections, {RAW_SECONDS:.0f} s each:")
     print(f"  one a statement        {raw_single:9,.0f} heartbeats/s")
     print(f"  {RAW_BATCH} a statement        {raw_many:9,.0f} heartbeats/s")
+    load = f"{args.concurrency} streams" if call == "stream" else f"unary calls, at most {args.concurrency} in flight,"
     print(
         f"heartbeat server, {args.processes} process{'es' if args.processes > 1 else ''}, {args.machines:,} machines,"
-        f" {transport}, load from another process: at most"
-        f" {args.concurrency} in flight over {args.channels} connections, {elapsed:.1f} s:"
+        f" {transport}, load from another process: {load} over {args.channels} connections, {elapsed:.1f} s:"
     )
     print(
         f"  accepted     {rate:,.0f} heartbeats/s ({accepted:,} in all), {rate / raw_single:.2f} of raw psycopg's"
@@ -434,7 +492,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=200, help="heartbeats in flight at most")
     parser.add_argument("--channels", type=int, default=8, help="gRPC connections the agents share")
+    parser.add_argument("--call", choices=("stream", "unary", "both"), default="both", help="how the load sends")
     parser.add_argument("--plaintext", action="store_true", help="serve without TLS")
+    parser.add_argument(
+        "--idle-streams", type=int, default=10_000, help="idle streams held open to price their memory (0: none)"
+    )
+    parser.add_argument("--idle-channels", type=int, default=8, help="connections the idle streams share")
     parser.add_argument(
         "--processes", type=int, default=1, help="over 1: run shepherd heartbeat-server --processes N instead"
     )
@@ -445,6 +508,7 @@ def main() -> None:
     args = parser.parse_args()
     if (
         min(args.machines, args.concurrency, args.channels, args.refusals, args.expected_rate, args.processes) < 1
+        or min(args.idle_streams, args.idle_channels - 1) < 0
         or args.seconds <= 0
     ):
         parser.error("every number must be positive")

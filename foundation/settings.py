@@ -147,7 +147,9 @@ class Settings:
     agent_target_path: str = _setting("/root/agent", "Path on the machine the agent is uploaded to")
     agent_endpoint: str = _setting("", "host:port the agent calls back (heartbeats)")
     agent_endpoint_ca_certificate_path: Path | None = _setting(
-        None, "PEM CA certificate of the agent endpoint; unset: the agent uses its system trust store"
+        None,
+        "PEM CA certificate of the agent endpoint, or a bundle of several during a CA rotation; unset: the agent uses "
+        "its system trust store",
     )
 
     # Heartbeat server (the agent callback API)
@@ -159,6 +161,9 @@ class Settings:
     heartbeat_max_skew: float = _duration(300.0, "Largest difference between agent and server clocks accepted")
     heartbeat_peer_rate: float = _setting(
         5000.0, "Heartbeats one address may send a second, in bursts of twice that (0: no limit)"
+    )
+    heartbeat_max_streams: int = _setting(
+        200_000, "Heartbeat streams one server process keeps open at once (an agent keeps one open)"
     )
     heartbeat_processes: int = _setting(
         1, "Heartbeat server processes sharing its port, for hosts with more cores; process i serves /metrics on port+i"
@@ -259,6 +264,7 @@ class Settings:
             ("recovery_hold_min_machines", 1),
             ("recovery_budget", 1),
             ("heartbeat_peer_rate", 0),
+            ("heartbeat_max_streams", 1),
             ("heartbeat_processes", 1),
         ):
             if getattr(self, name) < low:

@@ -4,6 +4,10 @@ Every request is signed with the ed25519 key the agent reported at takeover.
 The answer to an unknown machine, a wrong key and a bad signature is the same,
 so nothing leaks about which machines exist. Accepted heartbeats go to BMDB
 only: the fleet watchdog reads them there, and no workflow is woken.
+
+Two calls take the same heartbeats through the same checks: Heartbeats, one
+long-lived stream an agent with an answer a message, and the unary Heartbeat
+of older agents, which refuses with a gRPC status instead.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
 import socket
 import threading
@@ -24,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from cryptography import x509
@@ -60,6 +65,10 @@ SERVICE = "shepherd.agent.v1.AgentCallback"
 # A HeartbeatRequest is about 150 bytes; anything far larger is not one.
 MAX_REQUEST_SIZE = 1024
 NOT_ACCEPTED = "heartbeat not accepted: unknown machine, or not signed by its agent's key"
+BUSY = "the heartbeat server is handling as many heartbeats as it takes at once; try again"
+TOO_MANY_STREAMS = "the heartbeat server has as many streams open as it takes; try again later"
+STOPPING = "the heartbeat server is stopping; connect again"
+TOO_MANY_STREAMS_LOG = "a heartbeat stream refused: %d streams are open (setting heartbeat_max_streams)"
 # Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
 KEY_CACHE_SIZE = 100_000
 # Machines whose clock skew was logged, remembered so each is logged once.
@@ -68,10 +77,30 @@ SKEW_LOGGED_SIZE = 10_000
 UNKNOWN_CACHE_SIZE = 100_000
 # Addresses whose request rate is tracked, least recently seen dropped first.
 PEERS_TRACKED = 10_000
-# Heartbeats handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED and the agent backs off and retries.
-MAX_CONCURRENT_RPCS = 2_000
+# Heartbeats handled at once, over both calls; beyond it a heartbeat is answered RETRY_LATER on a stream and
+# RESOURCE_EXHAUSTED on the unary call, and the agent backs off and retries.
+MAX_IN_FLIGHT = 2_000
+# Streams open at once: an agent keeps one open, so this is sized for a fleet (SHEPHERD_HEARTBEAT_MAX_STREAMS);
+# beyond it a new stream is refused with RESOURCE_EXHAUSTED and its agent retries later.
+MAX_STREAMS = 200_000
+# The back-off a RETRY_LATER asks for, drawn between half of it and all of it so refused agents do not come
+# back in step.
+RETRY_LATER_MS = 5_000
+# Keepalive: an agent's machine that is rebooted or cut off never closes its connection, and its stream would
+# stay open (and count against MAX_STREAMS) for ever; the server pings a connection quiet for this long and
+# drops it when no answer comes within KEEPALIVE_TIMEOUT_MS. Two minutes (four heartbeat intervals) drops a dead
+# machine's stream well before the cap could fill with them, and at 100,000 connections is under 1,000 pings a
+# second, which gRPC's core answers without Python.
+KEEPALIVE_TIME_MS = 120_000
+KEEPALIVE_TIMEOUT_MS = 20_000
 # At most one line a kind of rejection this often, with how many were not logged.
 REJECTION_LOG_EVERY = 10.0
+# Threads checking signatures: a check lets go of the GIL, so on a host with two cores or more two of them check
+# a large batch in half the time, and the heartbeats waiting on it are answered sooner.
+SIGNATURE_THREADS = 2
+# A batch is split over the threads only from this many checks a thread: below it a second hop costs more than it
+# saves.
+SPLIT_ABOVE = 8
 # How much each new duration moves a StandIn's averages.
 STAND_IN_WEIGHT = 1 / 32
 # How often serve_in_processes looks at its processes, and how long each may take to stop.
@@ -81,17 +110,32 @@ PROCESS_STOP_TIMEOUT = 15.0
 _DUMMY_KEY = Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
+Outcome = agent_api_pb2.HeartbeatResponse.Outcome
+# The outcome a stream answers for each result a refusal is counted under.
+OUTCOMES: dict[str, agent_api_pb2.HeartbeatResponse.Outcome] = {
+    "malformed": Outcome.MALFORMED,
+    "stale": Outcome.STALE,
+    "unauthenticated": Outcome.NOT_ACCEPTED,
+    "replayed": Outcome.REPLAYED,
+    "unavailable": Outcome.RETRY_LATER,
+    "rate_limited": Outcome.RETRY_LATER,
+    "busy": Outcome.RETRY_LATER,
+}
+
+
 class HeartbeatRejected(Exception):
     """A heartbeat refused: the gRPC status to answer, the result to count it under, and why."""
 
-    def __init__(
-        self, code: grpc.StatusCode, result: str, message: str, trailing: tuple[tuple[str, str], ...] = ()
-    ) -> None:
+    def __init__(self, code: grpc.StatusCode, result: str, message: str, server_time_ms: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.result = result
-        # Trailing metadata for the agent: the server's time, with a stale refusal.
-        self.trailing = trailing
+        # The server's time, with a stale refusal: in the unary call's trailing metadata, in a stream's answer.
+        self.server_time_ms = server_time_ms
+
+    @property
+    def trailing(self) -> tuple[tuple[str, str], ...]:
+        return ((SERVER_TIME_METADATA, str(self.server_time_ms)),) if self.server_time_ms else ()
 
 
 def _reject(code: grpc.StatusCode, result: str, message: str) -> NoReturn:
@@ -113,6 +157,8 @@ class HeartbeatService:
         peer_rate: float = 0.0,
         peer_burst: float = 0.0,
         sleep: Callable[[float], Awaitable[None]] = precise_sleep,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
         self.bmdb = bmdb
         self.batcher = HeartbeatBatcher(bmdb)
@@ -135,9 +181,24 @@ class HeartbeatService:
         self.interval_ms = int(interval * 1000)
         self.max_skew_ms = int(max_skew * 1000)
         self.clock = clock
-        # Requests by result: in the log at shutdown and in /metrics.
+        self.max_in_flight, self.max_streams = max_in_flight, max_streams
+        # Heartbeats being checked or recorded now, over both calls, and the streams open now.
+        self.in_flight = 0
+        self.streams = 0
+        # The stream handlers waiting for their next heartbeat, and whether the streams are being ended.
+        self._reading: set[asyncio.Task[object]] = set()
+        self._ending_streams = False
+        # Every accepted answer on a stream is the same bytes.
+        self._accepted = agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=self.interval_ms)
+        self._accepted_bytes = self._accepted.SerializeToString()
+        # Requests by result: in the log at shutdown and in /metrics; by call ("unary", "stream") as well.
         self.results: Counter[str] = Counter()
-        self._requests = meter.create_counter("shepherd_heartbeat_requests_total", "Heartbeat requests, by result")
+        self.calls: Counter[str] = Counter()
+        self._requests = meter.create_counter(
+            "shepherd_heartbeat_requests_total", "Heartbeat requests, by result and call (unary, stream)"
+        )
+        # (result, call) -> the counter with its attributes bound: a heartbeat adds to it without building them.
+        self._request_counters: dict[tuple[str, str], Any] = {}
 
     async def load_keys(self) -> int:
         """Fill the key cache with the running agents' keys, so a server just started reads BMDB once, not once a
@@ -150,16 +211,28 @@ class HeartbeatService:
         await self.batcher.close()
         self._signature_checks.close()
 
-    def _count(self, result: str) -> None:
+    def _count(self, result: str, call: str = "unary") -> None:
         self.results[result] += 1
-        self._requests.add(1, {"result": result})
+        self.calls[call] += 1
+        counter = self._request_counters.get((result, call))
+        if counter is None:
+            counter = self._requests.with_additional_attributes({"result": result, "call": call})
+            self._request_counters[result, call] = counter
+        counter.add(1)
 
     async def handle(self, request_bytes: bytes, context: grpc.aio.ServicerContext) -> agent_api_pb2.HeartbeatResponse:
+        """The unary Heartbeat: an accepted heartbeat's answer, or the refusal's gRPC status."""
         peer = context.peer() or "unknown"
         try:
             if not self._peer_allowed(_host_of(peer)):
                 _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "too many requests from this address")
-            response = await self.check_and_record(request_bytes)
+            if self.in_flight >= self.max_in_flight:
+                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", BUSY)
+            self.in_flight += 1
+            try:
+                response = await self.check_and_record(request_bytes)
+            finally:
+                self.in_flight -= 1
         except HeartbeatRejected as rejection:
             self._count(rejection.result)
             self._log_rejection(rejection.result, peer)
@@ -169,7 +242,82 @@ class HeartbeatService:
         self._count("accepted")
         return response
 
+    async def stream(self, requests: object, context: grpc.aio.ServicerContext) -> None:
+        """The Heartbeats stream: each heartbeat answered with its outcome before the next is read, so the
+        checks, and the time a refusal takes, are those of a unary call a message."""
+        if self.streams >= self.max_streams:
+            self._count("too_many_streams", "stream")
+            self._log_now_and_then(logging.WARNING, "too_many_streams", TOO_MANY_STREAMS_LOG, self.max_streams)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, TOO_MANY_STREAMS)
+        self.streams += 1
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            peer = context.peer() or "unknown"
+            host = _host_of(peer)
+            while not self._ending_streams:
+                # Only a stream waiting for its next heartbeat is ended at shutdown, never one with a heartbeat
+                # being recorded: its agent hears every outcome.
+                self._reading.add(task)
+                try:
+                    request_bytes = await context.read()
+                except asyncio.CancelledError:
+                    if not self._ending_streams:
+                        raise
+                    break
+                finally:
+                    self._reading.discard(task)
+                if request_bytes is grpc.aio.EOF:
+                    return
+                await context.write(await self._answer(request_bytes, host, peer))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+        finally:
+            self.streams -= 1
+
+    def end_streams(self) -> None:
+        """Close every stream with UNAVAILABLE once its heartbeat in flight, if any, is answered: at shutdown, so
+        the agents reconnect (to another server, or this one restarted) instead of holding the server's grace
+        period open."""
+        self._ending_streams = True
+        for task in list(self._reading):
+            task.cancel()
+
+    async def _answer(self, request_bytes: bytes, host: str, peer: str) -> bytes:
+        """A stream message's answer, serialized."""
+        try:
+            if not self._peer_allowed(host):
+                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "too many requests from this address")
+            if self.in_flight >= self.max_in_flight:
+                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", BUSY)
+            self.in_flight += 1
+            try:
+                await self.verify_and_record(request_bytes)
+            finally:
+                self.in_flight -= 1
+        except HeartbeatRejected as rejection:
+            self._count(rejection.result, "stream")
+            self._log_rejection(rejection.result, peer)
+            return self._refusal(rejection).SerializeToString()
+        self._count("accepted", "stream")
+        return self._accepted_bytes
+
+    def _refusal(self, rejection: HeartbeatRejected) -> agent_api_pb2.HeartbeatResponse:
+        outcome = OUTCOMES[rejection.result]
+        retry_ms = int(RETRY_LATER_MS * random.uniform(0.5, 1.0)) if outcome == Outcome.RETRY_LATER else 0
+        return agent_api_pb2.HeartbeatResponse(
+            outcome=outcome,
+            message=str(rejection),
+            next_heartbeat_in_ms=retry_ms,
+            server_time_unix_ms=rejection.server_time_ms,
+        )
+
     async def check_and_record(self, request_bytes: bytes) -> agent_api_pb2.HeartbeatResponse:
+        """The unary call's answer to an accepted heartbeat; raises HeartbeatRejected for a refused one."""
+        await self.verify_and_record(request_bytes)
+        return self._accepted
+
+    async def verify_and_record(self, request_bytes: bytes) -> None:
+        """Check a serialized HeartbeatRequest and record it in BMDB; raises HeartbeatRejected if refused."""
         request = agent_api_pb2.HeartbeatRequest()
         try:
             request.ParseFromString(request_bytes)
@@ -193,8 +341,9 @@ class HeartbeatService:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "stale",
                 f"sent_at_unix_ms is {skew / 1000:.0f}s from the server's clock"
-                f" (at most {self.max_skew_ms / 1000:.0f}s); the server's time is in {SERVER_TIME_METADATA}",
-                ((SERVER_TIME_METADATA, str(now_ms)),),
+                f" (at most {self.max_skew_ms / 1000:.0f}s); the server's time is in {SERVER_TIME_METADATA}"
+                " (on a stream: in server_time_unix_ms)",
+                now_ms,
             )
         sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
         try:
@@ -211,7 +360,6 @@ class HeartbeatService:
             _reject(
                 grpc.StatusCode.ALREADY_EXISTS, "replayed", "a heartbeat sent at or after this one was already accepted"
             )
-        return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=self.interval_ms)
 
     def _peer_allowed(self, host: str) -> bool:
         """Take a token from the host's bucket; False when it is empty (too many requests from one address)."""
@@ -337,14 +485,15 @@ def _host_of(peer: str) -> str:
 
 
 class SignatureChecks:
-    """Checks signatures in a thread of its own, those that arrive meanwhile together in one hop.
+    """Checks signatures in threads of their own, those that arrive meanwhile together in one hop.
 
     An ed25519 check lets go of the GIL, so the checks run beside the event
-    loop, on another core where there is one, while gRPC and BMDB go on.
+    loop, on other cores where there are any, while gRPC and BMDB go on.
     """
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="signature-checks")
+    def __init__(self, threads: int = SIGNATURE_THREADS) -> None:
+        self._threads = threads
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="signature-checks")
         self._waiting: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]] = []
         self._checking: asyncio.Task[None] | None = None
 
@@ -364,7 +513,7 @@ class SignatureChecks:
             while self._waiting:
                 batch, self._waiting = self._waiting, []
                 try:
-                    verdicts = await loop.run_in_executor(self._executor, _check_all, batch)
+                    verdicts = await self._check_on_threads(loop, batch)
                 except asyncio.CancelledError:
                     for _, _, outcome in batch:
                         outcome.cancel()
@@ -379,6 +528,20 @@ class SignatureChecks:
                         outcome.set_result(verdict)
         finally:
             self._checking = None
+
+    async def _check_on_threads(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]],
+    ) -> list[bool]:
+        # A small batch in one hop; a large one split over the threads, which check side by side.
+        parts = min(self._threads, max(1, len(batch) // SPLIT_ABOVE))
+        if parts == 1:
+            return await loop.run_in_executor(self._executor, _check_all, batch)
+        size = -(-len(batch) // parts)
+        chunks = [batch[start : start + size] for start in range(0, len(batch), size)]
+        verdicts = await asyncio.gather(*(loop.run_in_executor(self._executor, _check_all, chunk) for chunk in chunks))
+        return [verdict for chunk in verdicts for verdict in chunk]
 
 
 def _check_all(batch: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]]) -> list[bool]:
@@ -524,14 +687,19 @@ def build_server(
     listen: str,
     tls: ServingCertificate | tuple[Path, Path] | None,
     *,
-    maximum_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+    maximum_concurrent_rpcs: int | None = None,
     share_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """The gRPC server and the port it bound; tls is the ServingCertificate, or its (certificate chain, private
     key) PEM files.
 
-    share_port binds with SO_REUSEPORT, for several processes of ours on one port (serve_in_processes).
+    maximum_concurrent_rpcs is gRPC's own cap on calls open at once, unary calls and streams together, above
+    which gRPC answers RESOURCE_EXHAUSTED before the service sees the call: by default the service's streams and
+    heartbeats in flight, so the service's own, finer caps are the ones that act. share_port binds with
+    SO_REUSEPORT, for several processes of ours on one port (serve_in_processes).
     """
+    if maximum_concurrent_rpcs is None:
+        maximum_concurrent_rpcs = service.max_streams + service.max_in_flight
     server = grpc.aio.server(
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         options=[
@@ -539,15 +707,21 @@ def build_server(
             # gRPC binds with SO_REUSEPORT by default: a second server on the same port would then start
             # silently and take half the agents' connections, and "cannot listen" would never be said.
             ("grpc.so_reuseport", 1 if share_port else 0),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # A dead peer sends no data: the server's pings must not wait for data between them to go on.
+            ("grpc.http2.max_pings_without_data", 0),
         ],
     )
-    handler = grpc.unary_unary_rpc_method_handler(
-        service.handle,
-        # Parsed by the service, so malformed bytes get INVALID_ARGUMENT, not a generic error.
-        request_deserializer=None,
-        response_serializer=agent_api_pb2.HeartbeatResponse.SerializeToString,
+    # Requests are parsed by the service, so malformed bytes get INVALID_ARGUMENT (MALFORMED), not a generic error.
+    unary = grpc.unary_unary_rpc_method_handler(
+        service.handle, request_deserializer=None, response_serializer=agent_api_pb2.HeartbeatResponse.SerializeToString
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": handler}),))
+    # The service serializes a stream's answers itself: an accepted one is the same bytes every time.
+    stream = grpc.stream_stream_rpc_method_handler(service.stream, request_deserializer=None, response_serializer=None)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": unary, "Heartbeats": stream}),)
+    )
     try:
         if tls is None:
             port = server.add_insecure_port(listen)
@@ -594,6 +768,7 @@ async def run_heartbeat_server(
         # shares the proxy's address, which the default leaves room for.
         peer_rate=settings.heartbeat_peer_rate,
         peer_burst=2 * settings.heartbeat_peer_rate,
+        max_streams=settings.heartbeat_max_streams,
     )
     try:
         server, _ = build_server(service, settings.heartbeat_listen, tls, share_port=share_port)
@@ -625,6 +800,7 @@ async def run_heartbeat_server(
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         watching.cancel()
+        service.end_streams()
         await server.stop(grace=5)
         await service.close()
         await bmdb.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/agent_api.proto\x12\x11shepherd.agent.v1\"a\n\x10HeartbeatRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x17\n\x0fsent_at_unix_ms\x18\x02 \x01(\x03\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"1\n\x11HeartbeatResponse\x12\x1c\n\x14next_heartbeat_in_ms\x18\x01 \x01(\x03\x32g\n\rAgentCallback\x12V\n\tHeartbeat\x12#.shepherd.agent.v1.HeartbeatRequest\x1a$.shepherd.agent.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/agent_api.proto\x12\x11shepherd.agent.v1\"a\n\x10HeartbeatRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x17\n\x0fsent_at_unix_ms\x18\x02 \x01(\x03\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"\x82\x02\n\x11HeartbeatResponse\x12\x1c\n\x14next_heartbeat_in_ms\x18\x01 \x01(\x03\x12=\n\x07outcome\x18\x02 \x01(\x0e\x32,.shepherd.agent.v1.HeartbeatResponse.Outcome\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x1b\n\x13server_time_unix_ms\x18\x04 \x01(\x03\"b\n\x07Outcome\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\x10\n\x0cNOT_ACCEPTED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x0f\n\x0bRETRY_LATER\x10\x03\x12\r\n\tMALFORMED\x10\x04\x12\x0c\n\x08REPLAYED\x10\x05\x32\xc4\x01\n\rAgentCallback\x12V\n\tHeartbeat\x12#.shepherd.agent.v1.HeartbeatRequest\x1a$.shepherd.agent.v1.HeartbeatResponse\x12[\n\nHeartbeats\x12#.shepherd.agent.v1.HeartbeatRequest\x1a$.shepherd.agent.v1.HeartbeatResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HEARTBEATREQUEST']._serialized_start=44
   _globals['_HEARTBEATREQUEST']._serialized_end=141
-  _globals['_HEARTBEATRESPONSE']._serialized_start=143
-  _globals['_HEARTBEATRESPONSE']._serialized_end=192
-  _globals['_AGENTCALLBACK']._serialized_start=194
-  _globals['_AGENTCALLBACK']._serialized_end=297
+  _globals['_HEARTBEATRESPONSE']._serialized_start=144
+  _globals['_HEARTBEATRESPONSE']._serialized_end=402
+  _globals['_HEARTBEATRESPONSE_OUTCOME']._serialized_start=304
+  _globals['_HEARTBEATRESPONSE_OUTCOME']._serialized_end=402
+  _globals['_AGENTCALLBACK']._serialized_start=405
+  _globals['_AGENTCALLBACK']._serialized_end=601
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class AgentCallbackStub:
                 request_serializer=proto_dot_agent__api__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=proto_dot_agent__api__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Heartbeats = channel.stream_stream(
+                '/shepherd.agent.v1.AgentCallback/Heartbeats',
+                request_serializer=proto_dot_agent__api__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=proto_dot_agent__api__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class AgentCallbackServicer:
@@ -46,6 +51,17 @@ class AgentCallbackServicer:
 
     def Heartbeat(self, request, context):
         """The agent is alive. Sent every heartbeat interval (30 s by default).
+        A refusal is a gRPC status; kept for agents that predate Heartbeats.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeats(self, request_iterator, context):
+        """The same heartbeats on one long-lived stream: the agent sends one, waits
+        for its answer, and sends the next when next_heartbeat_in_ms says.
+        Exactly one response per request, in order; a refusal is an outcome in
+        the response and the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -56,6 +72,11 @@ def add_AgentCallbackServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=proto_dot_agent__api__pb2.HeartbeatRequest.FromString,
+                    response_serializer=proto_dot_agent__api__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Heartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeats,
                     request_deserializer=proto_dot_agent__api__pb2.HeartbeatRequest.FromString,
                     response_serializer=proto_dot_agent__api__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -85,6 +106,33 @@ class AgentCallback:
             request,
             target,
             '/shepherd.agent.v1.AgentCallback/Heartbeat',
+            proto_dot_agent__api__pb2.HeartbeatRequest.SerializeToString,
+            proto_dot_agent__api__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shepherd.agent.v1.AgentCallback/Heartbeats',
             proto_dot_agent__api__pb2.HeartbeatRequest.SerializeToString,
             proto_dot_agent__api__pb2.HeartbeatResponse.FromString,
             options,

@@ -19,19 +19,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.build import build_agent_executable
-from agent.heartbeat import MIN_RETRY_DELAY, HeartbeatLoop, retry_delay
+from agent.heartbeat import MIN_RETRY_DELAY, STREAM_RETRY_AFTER, HeartbeatLoop, retry_delay
 from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
 from foundation.procfs import processes_with_variable
 from foundation.tls import local_certificates
-from processes.heartbeat_server import HeartbeatService, build_server
+from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
 from proto import agent_api_pb2, takeover_pb2
 from tests.processes import kill_processes_mentioning
 
 
-async def start_server(bmdb: BMDB, tmp_path: Path, port: int = 0) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    bmdb: BMDB, tmp_path: Path, port: int = 0, service: HeartbeatService | None = None
+) -> tuple[grpc.aio.Server, int]:
     certificates = local_certificates(tmp_path / "tls")
-    service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0)
+    service = service or HeartbeatService(bmdb, interval=0.2, max_skew=60.0)
     server, bound = build_server(
         service, f"127.0.0.1:{port}", (certificates.server_certificate, certificates.server_key)
     )
@@ -272,3 +274,89 @@ async def test_an_agent_whose_clock_is_an_hour_behind_follows_the_servers_time(t
     assert lines == ["this machine's clock is 3600s behind the heartbeat server's: heartbeats follow it"]
     assert waits == [0.2, 0.2]
     assert await heartbeat_after(bmdb, machine_id, None)
+
+
+async def test_the_built_agent_sends_its_heartbeats_on_one_stream(bmdb, tmp_path, agent_machine):
+    await agent_machine.server.stop(None)
+    service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0)
+    agent_machine.server, _ = await start_server(bmdb, tmp_path, agent_machine.port, service)
+    response = await agent_machine.take_over()
+    await bmdb.record_agent_started(agent_machine.machine_id, datetime.now(UTC), response.success.key)
+    first = await heartbeat_after(bmdb, agent_machine.machine_id, None)
+    await heartbeat_after(bmdb, agent_machine.machine_id, first)
+    assert service.calls["stream"] >= 2 and service.calls["unary"] == 0
+    assert service.streams == 1, "one stream, kept open across heartbeats"
+
+
+async def machine_with_agent_key(bmdb: BMDB) -> tuple[uuid.UUID, Ed25519PrivateKey]:
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    key = Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+    return machine_id, key
+
+
+def ca_of(tmp_path: Path) -> bytes:
+    pem = local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
+    return x509.load_pem_x509_certificate(pem).public_bytes(Encoding.DER)
+
+
+class Enough(Exception):
+    pass
+
+
+def sleeps_until(count: int, waits: list[float]):
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == count:
+            raise Enough
+
+    return sleep
+
+
+async def test_an_agent_falls_back_to_unary_calls_on_a_server_without_the_stream(tmp_path, bmdb):
+    machine_id, key = await machine_with_agent_key(bmdb)
+    certificates = local_certificates(tmp_path / "tls")
+    service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0)
+    # An older server: the unary Heartbeat only.
+    server = grpc.aio.server()
+    unary = grpc.unary_unary_rpc_method_handler(
+        service.handle, request_deserializer=None, response_serializer=agent_api_pb2.HeartbeatResponse.SerializeToString
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": unary}),))
+    pair = (certificates.server_key.read_bytes(), certificates.server_certificate.read_bytes())
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair]))
+    await server.start()
+    lines: list[str] = []
+    waits: list[float] = []
+    loop = HeartbeatLoop(
+        str(machine_id), key, f"127.0.0.1:{port}", [ca_of(tmp_path)], log=lines.append, sleep=sleeps_until(3, waits)
+    )
+    try:
+        with pytest.raises(Enough):
+            await asyncio.to_thread(loop.run)
+    finally:
+        await server.stop(None)
+    assert lines == ["the heartbeat server has no heartbeat stream (an older Shepherd): using unary calls"]
+    assert waits == [0.2, 0.2, 0.2], "accepted at once, without a failure counted"
+    assert service.calls == {"unary": 3} and service.results == {"accepted": 3}
+    assert STREAM_RETRY_AFTER >= 3600, "the stream is tried again only after a long while"
+
+
+async def test_an_agent_told_to_retry_later_on_its_stream_backs_off_as_the_server_says(tmp_path, bmdb):
+    machine_id, key = await machine_with_agent_key(bmdb)
+    service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0, max_in_flight=0)
+    server, port = await start_server(bmdb, tmp_path, service=service)
+    lines: list[str] = []
+    waits: list[float] = []
+    loop = HeartbeatLoop(
+        str(machine_id), key, f"127.0.0.1:{port}", [ca_of(tmp_path)], log=lines.append, sleep=sleeps_until(2, waits)
+    )
+    try:
+        with pytest.raises(Enough):
+            await asyncio.to_thread(loop.run)
+    finally:
+        await server.stop(None)
+    assert all(2.5 <= wait <= 5.0 for wait in waits), waits
+    assert lines[0].startswith("heartbeat failed 1 time(s) (RETRY_LATER: the heartbeat server is handling")
+    assert service.calls == {"stream": 2} and service.streams == 0

@@ -73,6 +73,20 @@ def test_any_bytes_on_the_heartbeat_port_are_a_clean_refusal(heartbeats, data):
 
 
 @FUZZ
+@given(messages=st.lists(st.binary(max_size=1200), max_size=5))
+def test_any_bytes_on_a_heartbeat_stream_are_answered_each_with_a_refusal(heartbeats, messages):
+    """What the Heartbeats stream answers each message: a response with a refusal's outcome and why."""
+    for data in messages:
+        answer = agent_api_pb2.HeartbeatResponse.FromString(
+            heartbeats.run(heartbeats.service._answer(data, "192.0.2.1", "ipv4:192.0.2.1:1"))
+        )
+        Outcome = agent_api_pb2.HeartbeatResponse.Outcome
+        assert answer.outcome in {Outcome.MALFORMED, Outcome.STALE, Outcome.NOT_ACCEPTED, Outcome.REPLAYED}
+        assert answer.message
+        assert (answer.server_time_unix_ms > 0) == (answer.outcome == Outcome.STALE)
+
+
+@FUZZ
 @given(
     machine=st.one_of(st.text(max_size=60), st.uuids().map(str), st.just("known")),
     sent_at=st.one_of(st.integers(min_value=-(2**63), max_value=2**63 - 1), st.just(0)),

@@ -131,6 +131,8 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
 
             heartbeat_series = await scrape(heartbeat_metrics_port)
             assert total(heartbeat_series, "shepherd_heartbeat_requests_total", result="accepted") > 0
+            # The agents, real processes, send on the Heartbeats stream.
+            assert total(heartbeat_series, "shepherd_heartbeat_requests_total", result="accepted", call="stream") > 0
 
             # Days left of the certificates each holds: the CA agents are given, the certificate served to them.
             for series, certificate, path in (

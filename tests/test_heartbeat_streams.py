@@ -1,0 +1,288 @@
+"""The Heartbeats stream over real gRPC (TLS) with a real BMDB: one answer a heartbeat, each its own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from agent.heartbeat import signed_heartbeat
+from bmdb.store import BMDB
+from foundation.tls import local_certificates
+from processes.heartbeat_server import NOT_ACCEPTED, SERVICE, STOPPING, HeartbeatService, build_server
+from proto import agent_api_pb2, agent_api_pb2_grpc
+
+Outcome = agent_api_pb2.HeartbeatResponse.Outcome
+Request = agent_api_pb2.HeartbeatRequest
+Response = agent_api_pb2.HeartbeatResponse
+
+
+@dataclass
+class Agent:
+    machine_id: uuid.UUID
+    key: Ed25519PrivateKey
+
+    def heartbeat(self, now_ms: int) -> Request:
+        return signed_heartbeat(str(self.machine_id), self.key, now_ms=now_ms)
+
+
+@dataclass
+class Served:
+    channel: grpc.aio.Channel
+    stub: agent_api_pb2_grpc.AgentCallbackStub
+    service: HeartbeatService
+
+
+async def started_agents(bmdb: BMDB, count: int) -> list[Agent]:
+    agents = []
+    for n in range(count):
+        machine_id, _ = await bmdb.admit_machine("sim", f"node-{n:04d}")
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+        agents.append(Agent(machine_id, key))
+    return agents
+
+
+@pytest.fixture
+def serve(bmdb: BMDB, tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextManager[Served]]:
+    """A heartbeat server over TLS with the given service settings, and a channel to it."""
+    certificates = local_certificates(tmp_path / "tls")
+
+    @contextlib.asynccontextmanager
+    async def served(service: HeartbeatService | None = None) -> AsyncIterator[Served]:
+        service = service or HeartbeatService(bmdb, interval=30.0, max_skew=60.0)
+        server, port = build_server(service, "127.0.0.1:0", (certificates.server_certificate, certificates.server_key))
+        await server.start()
+        credentials = grpc.ssl_channel_credentials(root_certificates=certificates.ca_certificate.read_bytes())
+        channel = grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
+        try:
+            yield Served(channel, agent_api_pb2_grpc.AgentCallbackStub(channel), service)
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    return served
+
+
+@pytest.fixture
+async def endpoint(serve) -> AsyncIterator[Served]:
+    async with serve() as served:
+        yield served
+
+
+async def exchange(stream: grpc.aio.StreamStreamCall, request: Request) -> Response:
+    """Send one heartbeat on the stream and read its answer, as an agent does."""
+    await stream.write(request)
+    response = await stream.read()
+    assert isinstance(response, Response)
+    return response
+
+
+def now_ms() -> int:
+    return int(datetime.now(UTC).timestamp() * 1000)
+
+
+async def heartbeat_at(bmdb: BMDB, machine_id: uuid.UUID) -> datetime | None:
+    record = await bmdb.get_machine(machine_id)
+    assert record is not None
+    return record.agent_heartbeat_at
+
+
+# Each refusal, made for the agent at `now`, with the checks on its answer.
+REFUSALS: dict[str, Callable[[Agent, int, Request], Request]] = {
+    "replayed": lambda agent, now, before: before,
+    "wrong key": lambda agent, now, before: signed_heartbeat(str(agent.machine_id), Ed25519PrivateKey.generate()),
+    "unknown machine": lambda agent, now, before: signed_heartbeat(str(uuid.uuid4()), agent.key),
+    "stale": lambda agent, now, before: agent.heartbeat(now - 600_000),
+    "malformed": lambda agent, now, before: Request(
+        machine_id=str(agent.machine_id), sent_at_unix_ms=now, nonce=b"short", signature=before.signature
+    ),
+}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+async def test_a_refusal_in_the_middle_of_streams_is_answered_alone_and_its_neighbours_are_accepted(
+    endpoint, bmdb, refusal
+):
+    agents = await started_agents(bmdb, 6)
+    start = now_ms()
+    answers: dict[int, list[Response]] = {n: [] for n in range(len(agents))}
+
+    async def agent_stream(n: int) -> None:
+        agent = agents[n]
+        stream = endpoint.stub.Heartbeats()
+        before = None
+        for step in range(8):
+            request = agent.heartbeat(start + step)
+            if n == 0 and step == 4:
+                assert before is not None
+                request = REFUSALS[refusal](agent, start + step, before)
+            answers[n].append(await exchange(stream, request))
+            before = request
+        await stream.done_writing()
+        assert await stream.read() is grpc.aio.EOF
+
+    # Six agents at once, so their heartbeats share the batched statements.
+    await asyncio.gather(*(agent_stream(n) for n in range(len(agents))))
+    assert endpoint.service.batcher.heartbeats > endpoint.service.batcher.statements, "heartbeats were batched"
+    for n, responses in answers.items():
+        expected = [Outcome.ACCEPTED] * 8
+        if n == 0:
+            expected[4] = {
+                "replayed": Outcome.REPLAYED,
+                "wrong key": Outcome.NOT_ACCEPTED,
+                "unknown machine": Outcome.NOT_ACCEPTED,
+                "stale": Outcome.STALE,
+                "malformed": Outcome.MALFORMED,
+            }[refusal]
+        assert [response.outcome for response in responses] == expected, f"agent {n}"
+        accepted = [r for r in responses if r.outcome == Outcome.ACCEPTED]
+        assert {(r.next_heartbeat_in_ms, r.message, r.server_time_unix_ms) for r in accepted} == {(30_000, "", 0)}
+    refused = answers[0][4]
+    if refusal in ("wrong key", "unknown machine"):
+        # One answer for both, to the byte: nothing tells whether the machine exists.
+        assert refused == Response(outcome=Outcome.NOT_ACCEPTED, message=NOT_ACCEPTED)
+    elif refusal == "stale":
+        assert abs(refused.server_time_unix_ms - now_ms()) < 5_000
+        assert "server_time_unix_ms" in refused.message
+    elif refusal == "malformed":
+        assert "nonce must be 16 bytes" in refused.message
+    elif refusal == "replayed":
+        assert "already accepted" in refused.message
+    assert endpoint.service.results["accepted"] == 47
+    assert endpoint.service.calls == {"stream": 48}
+    for agent in agents:
+        assert await heartbeat_at(bmdb, agent.machine_id) is not None
+
+
+async def test_a_machine_id_that_is_no_uuid_and_bytes_that_are_no_request_are_malformed_and_the_stream_goes_on(
+    endpoint, bmdb
+):
+    (agent,) = await started_agents(bmdb, 1)
+    raw = endpoint.channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
+    stream = raw()
+    start = now_ms()
+    no_uuid = Request(machine_id="not-a-uuid", sent_at_unix_ms=start, nonce=b"n" * 16, signature=b"s" * 64)
+    for payload, outcome, message in (
+        (no_uuid.SerializeToString(), Outcome.MALFORMED, "machine_id must be the UUID from TakeoverInit"),
+        (b"\xff\xff\xff\xff", Outcome.MALFORMED, "the request is not a HeartbeatRequest"),
+        (agent.heartbeat(start).SerializeToString(), Outcome.ACCEPTED, ""),
+    ):
+        await stream.write(payload)
+        answer = Response.FromString(await stream.read())
+        assert (answer.outcome, answer.message) == (outcome, message)
+    # A message over the size limit is no heartbeat: the stream ends as the unary call would.
+    await stream.write(b"\x0a" + b"\x80" * 5000)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert endpoint.service.results == {"malformed": 2, "accepted": 1}
+
+
+async def test_more_heartbeats_at_once_than_the_server_takes_are_told_to_retry_later(serve, bmdb):
+    (agent,) = await started_agents(bmdb, 1)
+
+    class Slow(HeartbeatService):
+        async def verify_and_record(self, request_bytes: bytes) -> None:
+            await asyncio.sleep(0.5)
+            await super().verify_and_record(request_bytes)
+
+    async with serve(Slow(bmdb, interval=30.0, max_skew=60.0, max_in_flight=2)) as served:
+        streams = [served.stub.Heartbeats() for _ in range(6)]
+        holding = [
+            asyncio.create_task(exchange(stream, signed_heartbeat(str(uuid.uuid4()), agent.key)))
+            for stream in streams[:2]
+        ]
+        for _ in range(200):
+            if served.service.in_flight == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert served.service.in_flight == 2
+        turned_away = await asyncio.gather(
+            *(exchange(stream, signed_heartbeat(str(uuid.uuid4()), agent.key)) for stream in streams[2:])
+        )
+        # The unary call shares the same cap.
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await served.stub.Heartbeat(signed_heartbeat(str(uuid.uuid4()), agent.key))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [answer.outcome for answer in await asyncio.gather(*holding)] == [Outcome.NOT_ACCEPTED] * 2
+        assert [answer.outcome for answer in turned_away] == [Outcome.RETRY_LATER] * 4
+        assert all(2_500 <= answer.next_heartbeat_in_ms <= 5_000 for answer in turned_away), "a back-off"
+        assert len({answer.next_heartbeat_in_ms for answer in turned_away}) > 1, "spread over the agents"
+        # The streams told to retry are still open, and take the next heartbeat once there is room.
+        assert (await exchange(streams[2], agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        assert served.service.results["busy"] == 5
+        assert served.service.in_flight == 0
+
+
+async def test_streams_beyond_the_cap_are_refused_until_one_closes(serve, bmdb):
+    agents = await started_agents(bmdb, 3)
+    async with serve(HeartbeatService(bmdb, interval=30.0, max_skew=60.0, max_streams=2)) as served:
+        first, second = served.stub.Heartbeats(), served.stub.Heartbeats()
+        for stream, agent in ((first, agents[0]), (second, agents[1])):
+            assert (await exchange(stream, agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        third = served.stub.Heartbeats()
+        await third.write(agents[2].heartbeat(now_ms()))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await third.read()
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "streams open" in (caught.value.details() or "")
+        # Unary calls are not streams: they still get in.
+        await served.stub.Heartbeat(agents[2].heartbeat(now_ms()))
+        await first.done_writing()
+        assert await first.read() is grpc.aio.EOF
+        for _ in range(100):
+            if served.service.streams < 2:
+                break
+            await asyncio.sleep(0.01)
+        fourth = served.stub.Heartbeats()
+        assert (await exchange(fourth, agents[2].heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        assert served.service.results["too_many_streams"] == 1
+
+
+async def test_the_per_address_limit_counts_the_messages_of_a_stream(serve, bmdb):
+    (agent,) = await started_agents(bmdb, 1)
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, peer_rate=0.001, peer_burst=3)
+    async with serve(service) as served:
+        stream = served.stub.Heartbeats()
+        outcomes = [(await exchange(stream, agent.heartbeat(now_ms() + n))).outcome for n in range(5)]
+    assert outcomes == [Outcome.ACCEPTED] * 3 + [Outcome.RETRY_LATER] * 2
+    assert service.results == {"accepted": 3, "rate_limited": 2}
+
+
+async def test_an_unknown_id_asked_again_on_a_stream_waits_as_long_as_a_bmdb_read(serve, bmdb):
+    """The equal-time refusal holds a message: each is answered before the next is read."""
+    (agent,) = await started_agents(bmdb, 1)
+    waits: list[float] = []
+
+    async def recorded_sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, sleep=recorded_sleep)
+    stranger = str(uuid.uuid4())
+    async with serve(service) as served:
+        stream = served.stub.Heartbeats()
+        answers = [await exchange(stream, signed_heartbeat(stranger, agent.key)) for _ in range(3)]
+    assert {(answer.outcome, answer.message) for answer in answers} == {(Outcome.NOT_ACCEPTED, NOT_ACCEPTED)}
+    assert len(waits) == 2 and waits[0] == service.key_read_time.seconds > 0, "read once, then waited for as long"
+
+
+async def test_at_shutdown_the_streams_are_closed_as_unavailable_so_the_agents_connect_again(endpoint, bmdb):
+    (agent,) = await started_agents(bmdb, 1)
+    stream = endpoint.stub.Heartbeats()
+    assert (await exchange(stream, agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+    endpoint.service.end_streams()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.UNAVAILABLE, STOPPING)
+    assert endpoint.service.streams == 0
