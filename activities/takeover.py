@@ -44,8 +44,10 @@ class TakeoverActivities:
         machine_id = uuid.UUID(input.machine_id)
         record = await self._record(machine_id)
         if record.agent_started_at is not None and record.agent_public_key is not None:
-            # An earlier attempt started the agent and its reply was lost.
-            return _facts(record.agent_started_at, record.agent_public_key, [])
+            # An earlier attempt started the agent and its reply was lost; unless it is the running agent this
+            # takeover replaces, which keeps heartbeating, and stays on record, until the new one's key replaces it.
+            if input.replaces is None or key_fingerprint(record.agent_public_key) != input.replaces:
+                return _facts(record.agent_started_at, record.agent_public_key, [])
 
         async with provider_errors():
             machine = await self.deps.provider(input.provider).get_machine(input.provider_id)

@@ -191,6 +191,7 @@ OPERATOR_ACTION_KINDS = (
     "released",
     "decommissioning",
     "decommissioned",
+    "agent_restart_asked",
     "recoveries_released",
     "fleet_paused",
     "fleet_resumed",
@@ -462,10 +463,13 @@ class BMDB:
 
         HostKeyPinned, and nothing recorded, when another host key is pinned: a takeover that raced another to
         a different server is refused. One transaction, so an activity that dies on the way leaves all or
-        nothing, and its retry, which finds the agent recorded, loses no event.
+        nothing, and its retry, which finds the agent recorded, loses no event. An agent it replaces without a
+        reboot (restart_agent) takes its heartbeats along: the watchdog then waits for the new agent's first.
         """
         async with self.engine.begin() as conn:
             await self._pin(conn, machine_id, host_key)
+            heartbeats = machine_agent_heartbeat.c.machine_id == machine_id
+            await conn.execute(delete(machine_agent_heartbeat).where(heartbeats))
             await conn.execute(_agent_started(machine_id, started_at, public_key))
             await conn.execute(insert(events).values(machine_id=machine_id, kind="agent_started", detail=detail))
 

@@ -107,6 +107,8 @@ FORCE_RECOVER_SIGNAL = "force_recover"
 RELEASE_UPDATE = "release"
 SET_MAINTENANCE_UPDATE = "set_maintenance"
 DECOMMISSION_UPDATE = "decommission"
+# A new agent on a healthy machine without a reboot: an agent upgrade, a CA rotation.
+RESTART_AGENT_UPDATE = "restart_agent"
 RETRY_NOW_SIGNAL = "retry_now"
 STATUS_QUERY = "status"
 
@@ -152,7 +154,7 @@ class OperatorAction:
     """One operator's request to a machine's workflow, as its status shows it: when, what, who and why."""
 
     at: str
-    # The signal or update: force_recover, retry_now, release, set_maintenance, decommission.
+    # The signal or update: force_recover, retry_now, release, set_maintenance, decommission, restart_agent.
     action: str
     by: str
     reason: str
@@ -340,6 +342,9 @@ class MachineInput:
     # recovery asked for meanwhile, which waits for the agent.
     step: StepProgress | None = None
     recovery_requested: str | None = None
+    # Set when an operator's restart_agent continues the workflow as new: the key fingerprint of the agent that
+    # still runs, which the takeover replaces rather than takes for an earlier attempt's.
+    replace_agent: str | None = None
 
 
 @dataclass
@@ -401,6 +406,9 @@ class StartAgentInput:
     provider: str
     provider_id: str
     machine_id: str
+    # The key fingerprint of a running agent this takeover replaces (restart_agent): BMDB's record of that agent
+    # is not an earlier attempt's whose reply was lost. None: any agent recorded is.
+    replaces: str | None = None
 
 
 @dataclass(frozen=True)

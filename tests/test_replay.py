@@ -3,7 +3,8 @@
 tests/histories/ holds histories of real runs: a machine whose first agent
 start failed and was retried at an operator's retry_now, then forced into a
 recovery; the same machine's run after it; a machine recovered for a lost
-heartbeat; a fleet pass that admitted machines and one that signalled a silent
+heartbeat, whose agent an operator then restarted without a reboot, and its run
+after that; a fleet pass that admitted machines and one that signalled a silent
 one; a machine an operator forced into a recovery, naming who asked, and its
 next run, taken into maintenance and then decommissioned. A workflow change
 that would break the workflows running in a fleet fails here, before it is
@@ -29,6 +30,7 @@ from temporalio.worker import Replayer
 from lifecycle.contracts import (
     DECOMMISSION_UPDATE,
     FORCE_RECOVER_SIGNAL,
+    RESTART_AGENT_UPDATE,
     RETRY_NOW_SIGNAL,
     SET_MAINTENANCE_UPDATE,
     FleetInput,
@@ -50,6 +52,8 @@ RECORDED = [
     "fleet-pass-signals-silent",
     "machine-forced-by-an-operator",
     "machine-decommissioned-in-maintenance",
+    "machine-agent-restarted",
+    "machine-after-agent-restart",
 ]
 RECORDING = os.environ.get("SHEPHERD_RECORD_HISTORIES") == "1"
 
@@ -99,6 +103,18 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
         assert (await signalling.result()).silent == ["node-0002"]
         await wait_for(lambda: recovered(stack, "node-0002"), limit=30, what="recovery of node-0002")
 
+        # node-0002 again: dave restarts its agent, which is taken over again without a reboot.
+        second = stack.machine("node-0002")
+        restarted_run = (await second.describe()).run_id
+        old_agent = (await stack.status("node-0002")).agent
+        await second.execute_update(RESTART_AGENT_UPDATE, {"reason": "agent upgrade", "by": "dave"})
+
+        async def new_agent() -> bool:
+            status = await stack.status("node-0002")
+            return status.stage is MachineStage.WATCHING and status.agent != old_agent
+
+        await wait_for(new_agent, limit=30, what="the new agent of node-0002")
+
         # node-0003: alice forces a recovery; in the next run bob takes it into maintenance, carol decommissions it.
         third = stack.machine("node-0003")
         forced_run = (await third.describe()).run_id
@@ -116,6 +132,10 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
             "machine-heartbeat-lost": await client.get_workflow_handle(
                 "machine-sim-node-0002", run_id=node2_run
             ).fetch_history(),
+            "machine-agent-restarted": await client.get_workflow_handle(
+                second.id, run_id=restarted_run
+            ).fetch_history(),
+            "machine-after-agent-restart": await second.fetch_history(),
             "fleet-pass-admits": await admitting.fetch_history(),
             "fleet-pass-signals-silent": await signalling.fetch_history(),
             "machine-forced-by-an-operator": await client.get_workflow_handle(

@@ -6,7 +6,8 @@ an operator's maintenance pauses any stage at its next safe point, and a decommi
 ... -> DECOMMISSIONING -> DECOMMISSIONED, the one way a machine's workflow completes.
 Signals: ``force_recover`` (an operator), ``heartbeat_lost`` (the fleet
 watchdog) and ``retry_now`` (an operator who fixed what made a step fail);
-updates: ``release`` (of a quarantined machine), ``set_maintenance``, ``decommission``; query: ``status``.
+updates: ``release`` (of a quarantined machine), ``set_maintenance``, ``decommission``, ``restart_agent``
+(a new agent without a reboot: WATCHING -> AGENT_STARTING); query: ``status``.
 The workflow id
 ``machine-<provider>-<provider_id>`` makes Temporal the per-machine lock: no
 two workers ever act on the same machine at once.
@@ -39,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
         RELEASE_UPDATE,
+        RESTART_AGENT_UPDATE,
         RETRY_NOW_SIGNAL,
         SET_MAINTENANCE_UPDATE,
         STATUS_QUERY,
@@ -195,6 +197,10 @@ class MachineWorkflow:
         self._maintenance_off: tuple[str, str, bool] | None = None
         # An operator's decommission, asked for; it begins at the next safe point.
         self._decommission_asked: Decommission | None = None
+        # (who, why) of an operator's restart of the agent of this WATCHING machine; the next run takes it over.
+        self._restart_asked: tuple[str, str] | None = None
+        # The running agent this run's takeover replaces, if a restart continued the workflow as new.
+        self._replacing = input.replace_agent
 
     @workflow.run
     async def run(self, input: MachineInput) -> Decommissioned | None:
@@ -216,6 +222,7 @@ class MachineWorkflow:
             carried = self._carried(input)
             carried.step = StepProgress(status.attempts, status.stage_since, status.last_error, status.stuck)
             carried.recovery_requested = status.recovery_requested
+            carried.replace_agent = self._replacing
             workflow.continue_as_new(carried)
 
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
@@ -225,6 +232,7 @@ class MachineWorkflow:
                 status.recovery_requested is not None
                 or self._maintenance_asked is not None
                 or self._decommission_asked is not None
+                or self._restart_asked is not None
                 or workflow.info().is_continue_as_new_suggested()
             )
         )
@@ -261,6 +269,15 @@ class MachineWorkflow:
         # Each recovery cycle starts a fresh history, so a machine that recovers
         # a hundred times keeps a short one.
         await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._restart_asked is not None and next_run.resume_stage is MachineStage.WATCHING:
+            # Checked last, so a restart accepted while this run was on its way out is not lost. As at the end of
+            # a maintenance, minus the reboot: no recovery counted, no budget spent. The old agent keeps
+            # heartbeating, and stays on record, until the new one's takeover replaces it.
+            by, why = self._restart_asked
+            workflow.logger.info("agent restart asked by %s: %s", by, why, extra=self._log_fields)
+            next_run.resume_stage = MachineStage.AGENT_STARTING
+            next_run.replace_agent = next_run.agent.key_fingerprint if next_run.agent else None
+            next_run.agent = None
         workflow.continue_as_new(next_run)
 
     async def _bring_up(self, input: MachineInput) -> None:
@@ -281,6 +298,7 @@ class MachineWorkflow:
                 lambda: self._start_agent(input),
                 stuck_after=input.policy.agent_start_deadline,
             )
+            self._replacing = None
             self._set_stage(MachineStage.WATCHING)
 
     def _carried(self, input: MachineInput) -> MachineInput:
@@ -434,6 +452,48 @@ class MachineWorkflow:
         self._refuse_if_decommissioned()
         operator_request(request, "the machine is decommissioned")
 
+    @workflow.update(name=RESTART_AGENT_UPDATE)
+    async def restart_agent(self, request: Any = None) -> str:
+        """``restart_agent``: ``{"reason": ..., "by": ...}`` takes a WATCHING machine over again without a reboot:
+        a new agent (the executable and CA bundle the workers have now) replaces the running one, which stops.
+
+        An update, so the caller hears whether a takeover follows, or why not.
+        """
+        reason, by = operator_request(request, "the agent is restarted")
+        status = self._status
+        stage = status.stage
+        if self._restart_asked is not None:
+            earlier_by, earlier_why = self._restart_asked
+            answer = f"its agent's restart, asked by {earlier_by} ({earlier_why}), is under way; recorded with it"
+        elif stage is MachineStage.RECOVERING or status.recovery_requested is not None:
+            answer = f"it is {stage} with a recovery asked: the takeover after its reboot starts a new agent"
+        elif stage is MachineStage.WATCHING:
+            self._restart_asked = (by, reason)
+            answer = f"agent restart asked ({reason}): a new agent takes over without a reboot, the old one stops"
+        else:
+            # Each takeover runs the executable, and hands over the CA bundle, the worker that runs it has now.
+            answer = f"it is {stage}: the agent its takeover starts is new already; nothing more to do"
+        await self._log_action(RESTART_AGENT_UPDATE, by, reason, "agent_restart_asked")
+        return answer
+
+    @restart_agent.validator
+    def _restart_allowed(self, request: Any = None) -> None:
+        self._refuse_if_decommissioned()
+        status = self._status
+        if status.stage is MachineStage.QUARANTINED:
+            raise ValueError(
+                "it is QUARANTINED, held for an operator: `shepherd release` it once mended, which reboots it "
+                "and takes it over"
+            )
+        asked = self._maintenance_asked
+        if asked is not None or status.stage is MachineStage.MAINTENANCE:
+            who = f", asked by {asked.by} at {asked.since}: {asked.reason}" if asked is not None else ""
+            raise ValueError(
+                f"it is in maintenance{who}; nothing takes it over until `shepherd maintenance --off`, after which "
+                "a silent agent is taken over again"
+            )
+        operator_request(request, "the agent is restarted")
+
     def _refuse_if_decommissioned(self) -> None:
         asked = self._decommission_asked
         if asked is not None:
@@ -500,7 +560,12 @@ class MachineWorkflow:
     async def _start_agent(self, input: MachineInput) -> AgentFacts:
         return await workflow.execute_activity_method(
             TakeoverActivities.start_agent,
-            StartAgentInput(provider=input.provider, provider_id=input.provider_id, machine_id=input.machine_id),
+            StartAgentInput(
+                provider=input.provider,
+                provider_id=input.provider_id,
+                machine_id=input.machine_id,
+                replaces=self._replacing,
+            ),
             summary=f"start the agent on {input.provider_id} over SSH",
             start_to_close_timeout=timedelta(seconds=input.policy.agent_start_timeout),
             retry_policy=_BLIP_RETRY,

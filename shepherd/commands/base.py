@@ -84,7 +84,7 @@ def check_reason(text: str) -> str:
     """An operator's reason, stripped; refused when empty or too long to keep."""
     reason = text.strip()
     if not reason:
-        raise ValueError("the reason is empty; say why the machine needs a reboot")
+        raise ValueError("the reason is empty; say why it is asked")
     if len(reason) > MAX_REASON_LENGTH:
         raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
     return reason

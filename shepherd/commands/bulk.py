@@ -20,7 +20,17 @@ from temporalio.service import RPCError, RPCStatusCode
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
 from lifecycle.contracts import MACHINE_STAGE, PROVIDER_ID, RUNNING_MACHINES
-from shepherd.commands.base import EXIT_FAILURE, EXIT_OK, CommandError, UsageError
+from shepherd.commands.base import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    MACHINE_HELP,
+    CommandError,
+    UsageError,
+    add_by,
+    ask_machine,
+    operator,
+    reason_arg,
+)
 
 # Machines an action is under way on at once; the rate paces the starts.
 IN_FLIGHT = 10
@@ -58,6 +68,25 @@ def add_where(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_RATE,
         help="with --where: machines started per second (default %(default)g)",
     )
+
+
+def add_machines(parser: argparse.ArgumentParser, reason_help: str) -> None:
+    """MACHINE or --where and its companions, and the --reason and --by every operator action carries."""
+    parser.add_argument("machine", metavar="MACHINE", nargs="?", help=MACHINE_HELP)
+    parser.add_argument("--reason", required=True, type=reason_arg, help=reason_help)
+    add_by(parser)
+    add_where(parser)
+
+
+def run_update(settings: Settings, args: argparse.Namespace, update: str, *, doing: str, then: str) -> int:
+    """Send the update, with the reason and who asked, to MACHINE or to each machine --where selects; every
+    machine answers for itself. doing: what is asked, for the confirmation; then: for a machine whose workflow
+    does not run, what to do once it runs again."""
+    check_target(args)
+    request = {"reason": args.reason, "by": args.by or operator()}
+    if args.where is not None:
+        return run_bulk(settings, args, doing, updating(update, request))
+    return ask_machine(settings, args.machine, update, request, then=then)
 
 
 def _rate_arg(text: str) -> float:

@@ -22,16 +22,13 @@ from lifecycle.contracts import (
     MachineStatus,
 )
 from shepherd.commands.base import (
-    MACHINE_HELP,
     Subcommands,
-    add_by,
     add_common,
     answer_with_lazy_bmdb,
     check_reason,
     operator,
-    reason_arg,
 )
-from shepherd.commands.bulk import Target, add_where, check_target, run_bulk
+from shepherd.commands.bulk import Target, add_machines, check_target, run_bulk
 from shepherd.commands.machine_ref import running_machine_workflow
 
 _QUERY_TIMEOUT = timedelta(seconds=5)
@@ -76,10 +73,7 @@ async def _stage_of(client: Client, workflow_id: str) -> str:
 def register(commands: Subcommands) -> None:
     parser = commands.add_parser("recover", help="reboot a machine and take it over again (force_recover)")
     add_common(parser)
-    parser.add_argument("machine", metavar="MACHINE", nargs="?", help=MACHINE_HELP)
-    parser.add_argument("--reason", required=True, type=reason_arg, help="why; shown in status and the event log")
-    add_by(parser)
-    add_where(parser)
+    add_machines(parser, "why; shown in status and the event log")
     parser.set_defaults(run=run)
 
 
