@@ -8,10 +8,11 @@ what it saw as one JSON line. With --call unary each heartbeat is a Heartbeat
 call; with --call stream, --concurrency Heartbeats streams share the
 connections, and each sends its next heartbeat when the last is answered.
 
-With --idle-streams N it opens N streams over --channels connections instead,
-sends one heartbeat on each, says "open" and holds them idle until a line on
-standard input: what open streams cost the server. Run by bench.heartbeats,
-not by hand.
+With --idle N it holds N idle agents instead, spread over --channels
+connections: each sends one heartbeat, as a unary call (--call unary) or on a
+stream it keeps open (--call stream), then the process says "open" and holds
+the connections, and the streams, until a line on standard input: what an
+idle fleet costs the server. Run by bench.heartbeats, not by hand.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import resource
 import sys
 import time
 import uuid
@@ -40,6 +42,8 @@ CALL_TIMEOUT = 10.0
 # Requests signed per machine at most: a run longer than the fleet needs sends each machine's again, a millisecond
 # later, so it is not a replay.
 ROUNDS = 4
+# Idle agents sending their first heartbeat at once.
+IDLE_SLICE = 500
 
 
 def agent_key(n: int) -> Ed25519PrivateKey:
@@ -157,38 +161,57 @@ async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None
     )
 
 
-async def hold_idle_streams(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> None:
-    """Open --idle-streams streams, one heartbeat on each, and hold them until told on standard input."""
+async def hold_idle(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> None:
+    """Hold --idle agents over --channels connections, one heartbeat each, until told on standard input."""
     channels = open_channels(args, ca, args.channels)
-    await asyncio.gather(*(channel.channel_ready() for channel in channels))
-    opened = [
-        channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
-        for channel in channels
-    ]
+    if args.call == "unary":
+        calls = [
+            channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
+            for channel in channels
+        ]
+    else:
+        opened = [
+            channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
+            for channel in channels
+        ]
     streams: list[grpc.aio.StreamStreamCall] = []
     refused: Counter[str] = Counter()
 
     async def first_heartbeat(n: int) -> None:
-        stream = opened[n % len(opened)]()
-        streams.append(stream)
-        try:
-            await stream.write(requests[n % len(requests)])
-            answer = await stream.read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            refused[(await stream.code()).name] += 1
-            return
+        request = requests[n % len(requests)]
+        if args.call == "unary":
+            try:
+                answer = await calls[n % len(calls)](request, timeout=CALL_TIMEOUT)
+            except grpc.aio.AioRpcError as error:
+                refused[error.code().name] += 1
+                return
+        else:
+            stream = opened[n % len(opened)]()
+            streams.append(stream)
+            try:
+                await stream.write(request)
+                answer = await stream.read()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                refused[(await stream.code()).name] += 1
+                return
         if answer is grpc.aio.EOF or agent_api_pb2.HeartbeatResponse.FromString(answer).outcome != Outcome.ACCEPTED:
             refused["not accepted"] += 1
 
-    # In slices, so the server is not asked to take them all at once.
-    for first in range(0, args.idle_streams, 500):
-        await asyncio.gather(*(first_heartbeat(n) for n in range(first, min(first + 500, args.idle_streams))))
-    print(json.dumps({"open": len(streams), "refused": dict(refused)}), flush=True)
+    # In slices, so the server is not asked for thousands of TLS handshakes at once.
+    for first in range(0, args.idle, IDLE_SLICE):
+        await asyncio.gather(*(first_heartbeat(n) for n in range(first, min(first + IDLE_SLICE, args.idle))))
+    print(json.dumps({"open": args.idle - sum(refused.values()), "refused": dict(refused)}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     for stream in streams:
         stream.cancel()
     for channel in channels:
         await channel.close()
+
+
+def raise_open_files_limit() -> None:
+    """Up to the hard limit: an idle fleet is a connection an agent, and each is a file descriptor."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def main() -> None:
@@ -201,12 +224,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--channels", type=int, required=True)
     parser.add_argument("--call", choices=("unary", "stream"), default="unary")
-    parser.add_argument("--idle-streams", type=int, default=0, help="hold this many idle streams open instead")
+    parser.add_argument("--idle", type=int, default=0, help="hold this many idle agents instead")
     args = parser.parse_args()
-    if args.idle_streams:
-        requests = signed_requests(args.machines, min(args.idle_streams, args.machines))
+    if args.idle:
+        raise_open_files_limit()
+        requests = signed_requests(args.machines, min(args.idle, args.machines))
         ca = Path(args.ca).read_bytes() if args.ca else None
-        asyncio.run(hold_idle_streams(args, requests, ca))
+        asyncio.run(hold_idle(args, requests, ca))
         return
     requests = signed_requests(args.machines, min(args.requests, args.machines * ROUNDS))
     ca = Path(args.ca).read_bytes() if args.ca else None

@@ -17,12 +17,23 @@ server       the real heartbeat server (TLS unless --plaintext), its agent keys
              apart from the load's.
 
 Then it times refusals one at a time: a wrong key on a real id against an
-unknown id, which must not be told apart; and, for a server in this process,
-what --idle-streams open idle streams cost it in memory. Run:
+unknown id, which must not be told apart; and what an idle fleet costs a server
+process in memory, for each count of --idle-agents, each case against a fresh
+`shepherd heartbeat-server` with the keys loaded, its resident memory read from
+/proc before and while another process holds the agents idle:
+
+unary        a connection an agent, one unary heartbeat done on each: what a
+             connection costs alone;
+stream       a connection an agent, a stream open on each with one heartbeat
+             answered: an agent of today;
+shared       the same streams over --idle-channels connections: what a stream
+             costs alone.
+
+--idle-only runs this part alone (with the registration it needs). Run:
 
     python -m bench.heartbeats [--machines 100000] [--seconds 20] [--concurrency 200] [--channels 8]
                                [--call both] [--plaintext] [--processes 1] [--refusals 1000]
-                               [--idle-streams 10000] [--idle-channels 8]
+                               [--idle-agents 2000,5000,10000] [--idle-channels 8] [--idle-only]
 
 With --processes N above 1 the server is `shepherd heartbeat-server --processes N`
 instead, its processes' CPU summed.
@@ -275,8 +286,10 @@ class InProcessServer:
 class ServerProcesses:
     """`shepherd heartbeat-server --processes N`, as an operator starts it; the CPU of all its processes."""
 
-    def __init__(self, url: str, processes: int, tmp: Path) -> None:
+    def __init__(self, url: str, processes: int, tmp: Path, *, quiet: bool = False) -> None:
         self.url, self.processes, self.tmp = url, processes, tmp
+        # Quiet: the server's log goes to a file, so a table being printed is not broken up by it.
+        self.quiet = quiet
         self.command: asyncio.subprocess.Process | None = None
 
     async def start(self, tls: tuple[Path, Path] | None) -> str:
@@ -295,12 +308,18 @@ class ServerProcesses:
         else:
             env["SHEPHERD_HEARTBEAT_TLS_CERTIFICATE_PATH"], env["SHEPHERD_HEARTBEAT_TLS_KEY_PATH"] = map(str, tls)
         command = [sys.executable, "-m", "shepherd", "heartbeat-server", "--processes", str(self.processes)]
-        self.command = await asyncio.create_subprocess_exec(*command, "--listen", target, env=env)
-        while len(self._pids()) < self.processes + 1 or not await self._listening(target):
+        log = (self.tmp / "heartbeat-server.log").open("ab") if self.quiet else None
+        self.command = await asyncio.create_subprocess_exec(*command, "--listen", target, env=env, stderr=log)
+        if log is not None:
+            log.close()
+        # One process serves in the command's own; more are its children.
+        expected = 1 if self.processes == 1 else self.processes + 1
+        while len(self._pids()) < expected or not await self._listening(target):
             if self.command.returncode is not None:
                 raise SystemExit("shepherd heartbeat-server stopped")
             await asyncio.sleep(0.5)
-        print(f"shepherd heartbeat-server --processes {self.processes} listens on {target}")
+        if not self.quiet:
+            print(f"shepherd heartbeat-server --processes {self.processes} listens on {target}")
         return target
 
     def cpu_seconds(self) -> float:
@@ -309,10 +328,15 @@ class ServerProcesses:
     def batching(self) -> str:
         return "in the server processes, not seen from here"
 
-    def peak_rss(self) -> str:
+    def servers(self) -> list[int]:
+        """The processes that serve: the command's children, or the command itself when it serves alone."""
         assert self.command is not None
-        servers = children_of(self.command.pid, mentioning="spawn_main")
-        return ", ".join(f"{peak_rss_mib(pid):,.0f}" for pid in servers) + " MiB (each server process)"
+        if self.processes == 1:
+            return [self.command.pid]
+        return children_of(self.command.pid, mentioning="spawn_main")
+
+    def peak_rss(self) -> str:
+        return ", ".join(f"{peak_rss_mib(pid):,.0f}" for pid in self.servers()) + " MiB (each server process)"
 
     async def stop(self) -> None:
         if self.command is not None and self.command.returncode is None:
@@ -339,16 +363,19 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
     setup = time.perf_counter()
     agents = register(url, args.machines)
     print(f"registered {len(agents):,} machines in {time.perf_counter() - setup:.1f} s")
+    tls = None
+    ca_certificate = None
+    if not args.plaintext:
+        certificates = local_certificates(tmp / "tls")
+        tls = (certificates.server_certificate, certificates.server_key)
+        ca_certificate = certificates.ca_certificate
+    if args.idle_only:
+        await idle_memory(args, url, tmp, tls, ca_certificate)
+        return True
     raw_single = await raw_psycopg_rate(url, agents, 1)
     raw_many = await raw_psycopg_rate(url, agents, RAW_BATCH)
     server = InProcessServer(url) if args.processes == 1 else ServerProcesses(url, args.processes, tmp)
     try:
-        tls = None
-        ca_certificate = None
-        if not args.plaintext:
-            certificates = local_certificates(tmp / "tls")
-            tls = (certificates.server_certificate, certificates.server_key)
-            ca_certificate = certificates.ca_certificate
         target = await server.start(tls)
         clean = True
         for call in ("stream", "unary") if args.call == "both" else (args.call,):
@@ -373,45 +400,98 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
             await refusal_timing(calls, [str(machine) for machine, _ in agents[:1000]], args.refusals)
         finally:
             await channel.close()
-        if isinstance(server, InProcessServer) and args.idle_streams:
-            await idle_stream_memory(args, server, target, ca_certificate)
-        return clean
     finally:
         await server.stop()
+    if args.idle_agents:
+        await idle_memory(args, url, tmp, tls, ca_certificate)
+    return clean
 
 
-async def idle_stream_memory(
-    args: argparse.Namespace, server: InProcessServer, target: str, ca_certificate: Path | None
+IDLE_CASES = {
+    "unary": "a connection each, one unary call done",
+    "stream": "a connection each, a stream open",
+    "shared": "a stream each over {channels} connections",
+}
+# How long the server is left to settle before its memory is read: the last answers written, gRPC's buffers
+# released.
+SETTLE_SECONDS = 3.0
+
+
+async def idle_memory(
+    args: argparse.Namespace, url: str, tmp: Path, tls: tuple[Path, Path] | None, ca_certificate: Path | None
 ) -> None:
-    """What open idle streams cost the server: its resident memory before and while they are open."""
-    command = [sys.executable, "-m", "bench.heartbeat_load", "--target", target, "--machines", str(args.machines)]
-    command += ["--requests", "0", "--seconds", "0", "--concurrency", "1", "--channels", str(args.idle_channels)]
-    command += ["--idle-streams", str(args.idle_streams)]
-    if ca_certificate is not None:
-        command += ["--ca", str(ca_certificate)]
-    before = server.rss_mib()
-    load = await asyncio.create_subprocess_exec(*command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert load.stdin is not None and load.stdout is not None
-    line = await load.stdout.readline()
-    if not line:
-        raise SystemExit("the idle-stream process failed")
-    opened = json.loads(line)
-    await asyncio.sleep(2.0)  # the last answers written, gRPC's buffers settled
-    during = server.rss_mib()
-    streams = server.service.streams
-    load.stdin.write(b"done\n")
-    await load.stdin.drain()
-    await load.wait()
-    per_stream = (during - before) * 1024 / max(streams, 1)
+    """What idle agents cost a server process in memory, each case against a fresh one."""
+    transport = "plain text" if args.plaintext else "TLS"
     print(
-        f"idle streams: {opened['open']:,} opened over {args.idle_channels:,} connections"
-        f" (refused: {opened['refused'] or 'none'}), {streams:,} open in the server:"
+        f"idle agents: each case a fresh shepherd heartbeat-server (one process, {transport}, {args.machines:,}"
+        " keys loaded), the agents held by another process after one heartbeat each; server RSS from /proc:"
     )
-    print(
-        f"  server RSS {before:,.0f} MiB before, {during:,.0f} MiB with them open:"
-        f" {per_stream:,.1f} KiB a stream (its connection's share included),"
-        f" {per_stream * 100_000 / 1024:,.0f} MiB for 100,000"
-    )
+    print(f"  {'agents':>7}  {'held as':46} {'RSS before':>10} {'with them':>10} {'an agent':>10} {'fds':>7}")
+    per_agent: dict[str, dict[int, tuple[float, float]]] = {case: {} for case in IDLE_CASES}
+    for count in args.idle_agents:
+        for case, label in IDLE_CASES.items():
+            before, during, fds, refused = await idle_case(args, url, tmp, tls, ca_certificate, case, count)
+            per_agent[case][count] = (before, during)
+            held = label.format(channels=args.idle_channels)
+            note = f"  refused: {refused}" if refused else ""
+            print(
+                f"  {count:7,}  {held:46} {before:7,.0f} MiB {during:6,.0f} MiB"
+                f" {(during - before) * 1024 / count:6,.1f} KiB {fds:7,}{note}"
+            )
+    counts = sorted(args.idle_agents)
+    print("  an agent, from the largest count (and between the smallest and the largest, without one-off costs):")
+    for case, label in IDLE_CASES.items():
+        before, during = per_agent[case][counts[-1]]
+        kib = (during - before) * 1024 / counts[-1]
+        marginal = ""
+        if len(counts) > 1:
+            low, high = per_agent[case][counts[0]][1], during
+            marginal = f" ({(high - low) * 1024 / (counts[-1] - counts[0]):,.1f} KiB)"
+        fleet = before + kib * 100_000 / 1024
+        print(
+            f"  {label.format(channels=args.idle_channels):46} {kib:6,.1f} KiB{marginal}:"
+            f" {fleet:,.0f} MiB for 100,000 agents, the server's {before:,.0f} MiB included"
+        )
+
+
+async def idle_case(
+    args: argparse.Namespace,
+    url: str,
+    tmp: Path,
+    tls: tuple[Path, Path] | None,
+    ca_certificate: Path | None,
+    case: str,
+    count: int,
+) -> tuple[float, float, int, dict[str, int]]:
+    """A fresh server's RSS in MiB before and while count idle agents are held, its open files then, and the
+    agents refused."""
+    server = ServerProcesses(url, 1, tmp, quiet=True)
+    try:
+        target = await server.start(tls)
+        (pid,) = server.servers()
+        await asyncio.sleep(SETTLE_SECONDS)
+        before = status_mib(pid, "VmRSS")
+        channels = args.idle_channels if case == "shared" else count
+        command = [sys.executable, "-m", "bench.heartbeat_load", "--target", target, "--machines", str(args.machines)]
+        command += ["--requests", "0", "--seconds", "0", "--concurrency", "1", "--channels", str(channels)]
+        command += ["--idle", str(count), "--call", "unary" if case == "unary" else "stream"]
+        if ca_certificate is not None:
+            command += ["--ca", str(ca_certificate)]
+        load = await asyncio.create_subprocess_exec(*command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert load.stdin is not None and load.stdout is not None
+        line = await load.stdout.readline()
+        if not line:
+            raise SystemExit("the idle-agent process failed")
+        held = json.loads(line)
+        await asyncio.sleep(SETTLE_SECONDS)
+        during = status_mib(pid, "VmRSS")
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        load.stdin.write(b"done\n")
+        await load.stdin.drain()
+        await load.wait()
+        return before, during, fds, held["refused"]
+    finally:
+        await server.stop()
 
 
 async def start_load(
@@ -484,6 +564,13 @@ def report(
         print("  (the load process sent every request it had signed before the time was up)")
 
 
+def agent_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError("counts are positive")
+    return [count for count in counts if count]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.heartbeats", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -495,9 +582,13 @@ def main() -> None:
     parser.add_argument("--call", choices=("stream", "unary", "both"), default="both", help="how the load sends")
     parser.add_argument("--plaintext", action="store_true", help="serve without TLS")
     parser.add_argument(
-        "--idle-streams", type=int, default=10_000, help="idle streams held open to price their memory (0: none)"
+        "--idle-agents",
+        type=agent_counts,
+        default="2000,5000,10000",
+        help="counts of idle agents held to price their memory, comma-separated (0: none)",
     )
-    parser.add_argument("--idle-channels", type=int, default=8, help="connections the idle streams share")
+    parser.add_argument("--idle-channels", type=int, default=8, help="connections the shared idle streams share")
+    parser.add_argument("--idle-only", action="store_true", help="measure the idle agents' memory only")
     parser.add_argument(
         "--processes", type=int, default=1, help="over 1: run shepherd heartbeat-server --processes N instead"
     )
@@ -508,10 +599,14 @@ def main() -> None:
     args = parser.parse_args()
     if (
         min(args.machines, args.concurrency, args.channels, args.refusals, args.expected_rate, args.processes) < 1
-        or min(args.idle_streams, args.idle_channels - 1) < 0
+        or args.idle_channels < 1
+        or (args.idle_only and not args.idle_agents)
         or args.seconds <= 0
     ):
         parser.error("every number must be positive")
+    # An idle agent is a connection, and a file descriptor, in the server and in the load: both inherit this.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         # On Ctrl-C asyncio.run cancels measure(), whose finally stops the server, and raises
         # KeyboardInterrupt here; the with statements then stop PostgreSQL and remove the directory.

@@ -19,6 +19,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import resource
 import signal
 import socket
 import threading
@@ -736,10 +737,25 @@ def build_server(
     return server, port
 
 
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open files to the hard one, and return it. An agent holds a connection, and a
+    connection is a file: systemd starts a service with a soft limit of 1,024, past which gRPC's core stops
+    accepting connections with no more than "File descriptor limit reached" in its log."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as error:
+            log.warning("could not raise the open files limit from %d to %d: %s", soft, hard, error)
+    return soft
+
+
 async def run_heartbeat_server(
     settings: Settings, database_url: str, *, stop: asyncio.Event | None = None, share_port: bool = False
 ) -> None:
     """Serve heartbeats until SIGTERM/SIGINT (or stop is set)."""
+    open_files = raise_open_files_limit()
     runtime = metrics_runtime(settings.metrics_listen, "heartbeat-server")
     expiry = CertificateExpiry(meter_of(runtime))
     loop = asyncio.get_running_loop()
@@ -786,10 +802,11 @@ async def run_heartbeat_server(
         loaded = 0
     await server.start()
     log.info(
-        "heartbeat server on %s (%s), %d agent keys loaded",
+        "heartbeat server on %s (%s), %d agent keys loaded, open files (a connection an agent): %s",
         settings.heartbeat_listen,
         "plain text" if tls is None else "TLS",
         loaded,
+        "no limit" if open_files == resource.RLIM_INFINITY else f"at most {open_files:,}",
     )
     # Without /metrics the files are still looked at each minute, so a bad new pair is logged even while no
     # agent connects.
