@@ -12,9 +12,19 @@ from lifecycle.inputs import machine_input
 
 
 async def start_machine_workflow(
-    client: Client, settings: Settings, provider: str, provider_id: str, machine_id: str
+    client: Client,
+    settings: Settings,
+    provider: str,
+    provider_id: str,
+    machine_id: str,
+    *,
+    eager: bool = False,
 ) -> bool:
-    """Start the machine's workflow unless it runs already; True if this call started it."""
+    """Start the machine's workflow unless it runs already; True if this call started it.
+
+    eager: ask the server to hand the workflow's first task back in the start response, to a worker of this
+    client on settings.task_queue with a free slot.
+    """
     try:
         await client.start_workflow(
             MACHINE_WORKFLOW_TYPE,
@@ -28,6 +38,7 @@ async def start_machine_workflow(
             search_attributes=initial_search_attributes(provider, provider_id, machine_id),
             static_summary=f"{provider_id} at provider {provider}",
             static_details=f"BMDB machine {machine_id}; the status query and current details tell how it is doing",
+            request_eager_start=eager,
         )
     except WorkflowAlreadyStartedError:
         return False

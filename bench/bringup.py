@@ -23,12 +23,20 @@ every workflow run. Beside the process's own CPU, the Shepherd variant reads
 from /proc the CPU of the Temporal dev server and of PostgreSQL, which share
 the cores.
 
+Options for Temporal's eager paths: --eager-start asks for each workflow's
+first task in the start response (the worker is in the same process, on the
+same client), and --dynamic-config KEY=VALUE (repeatable) starts the dev
+server with that dynamic config, e.g. system.enableActivityEagerExecution=false
+or system.enableEagerWorkflowStart=false to compare against the dev server's
+defaults. The report counts the workflows whose start the server made eager.
+
 Left out on purpose: a fleet pass admits one machine per
 device_creation_interval and at most chunk_size a pass, the provider's rate
 limit; this measures what the worker does once machines are admitted (after a
 fleet-wide recovery, or with those limits raised). Run:
 
-    python -m bench.bringup [--machines 1000] [--concurrency 200]
+    python -m bench.bringup [--machines 1000] [--concurrency 200] [--eager-start]
+        [--dynamic-config KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncssh
 
@@ -86,6 +95,8 @@ class Outcome:
     # Shepherd's other processes on the same cores while timed: the Temporal dev server and PostgreSQL.
     cpu_temporal: float = 0.0
     cpu_postgres: float = 0.0
+    # Workflows whose first task the server handed back in the start response.
+    eager_started: int = 0
 
 
 def raise_file_limit() -> None:
@@ -116,7 +127,7 @@ class Stopwatch:
         self.seconds = time.perf_counter() - self.started
         self.cpu = (own - self.cpu_started[0], agents - self.cpu_started[1])
 
-    def outcome(self, variant: str, machines: int, concurrency: int, failures: int, **more: float) -> Outcome:
+    def outcome(self, variant: str, machines: int, concurrency: int, failures: int, **more: Any) -> Outcome:
         return Outcome(variant, machines, concurrency, self.seconds, failures, peak_rss_mib(), *self.cpu, **more)
 
 
@@ -178,7 +189,16 @@ async def measure_raw(tmp: Path, machines: int, concurrency: int, agent: bytes) 
     return stopwatch.outcome("raw asyncssh", machines, concurrency, failures, **latency)
 
 
-async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_path: Path, database_url: str) -> Outcome:
+async def measure_shepherd(
+    tmp: Path,
+    machines: int,
+    concurrency: int,
+    agent_path: Path,
+    database_url: str,
+    *,
+    eager_start: bool = False,
+    dynamic_config: tuple[str, ...] = (),
+) -> Outcome:
     from temporalio.testing import WorkflowEnvironment
 
     from activities.deps import open_activity_deps
@@ -190,7 +210,10 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
     sim = simulator(tmp, machines)
     await sim.start()
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_cli(), search_attributes=SEARCH_ATTRIBUTES, dev_server_log_level="error"
+        dev_server_existing_path=temporal_cli(),
+        search_attributes=SEARCH_ATTRIBUTES,
+        dev_server_log_level="error",
+        dev_server_extra_args=[arg for value in dynamic_config for arg in ("--dynamic-config-value", value)],
     )
     try:
         settings = Settings(
@@ -220,7 +243,15 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
 
             async def start(slot_and_machine: tuple[str, uuid.UUID]) -> bool:
                 slot, machine_id = slot_and_machine
-                return await start_machine_workflow(env.client, settings, PROVIDER, slot, str(machine_id))
+                return await start_machine_workflow(
+                    env.client, settings, PROVIDER, slot, str(machine_id), eager=eager_start
+                )
+
+            async def started_eagerly(slot: str) -> bool:
+                handle = env.client.get_workflow_handle(machine_workflow_id(PROVIDER, slot))
+                async for first in handle.fetch_history_events(page_size=1):
+                    return first.workflow_execution_started_event_attributes.eager_execution_accepted
+                return False
 
             (temporal_server,) = children_of(os.getpid(), mentioning="start-dev")
             others_before = process_cpu_seconds(temporal_server), postgres_cpu_seconds(tmp / "pg") or 0.0
@@ -234,6 +265,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
                     await asyncio.sleep(PROGRESS_POLL)
                 stopwatch.stop()
             others = process_cpu_seconds(temporal_server), postgres_cpu_seconds(tmp / "pg") or 0.0
+            eager_started = sum(await each_at_most(sim.slots, START_CONCURRENCY, started_eagerly))
             failures = sum(
                 [
                     1
@@ -254,6 +286,7 @@ async def measure_shepherd(tmp: Path, machines: int, concurrency: int, agent_pat
         failures,
         cpu_temporal=others[0] - others_before[0],
         cpu_postgres=others[1] - others_before[1],
+        eager_started=eager_started,
     )
 
 
@@ -269,10 +302,19 @@ def run_variant(args: argparse.Namespace) -> Outcome:
             return asyncio.run(measure_raw(tmp, args.machines, args.concurrency, agent_path.read_bytes()))
         with LocalPostgres(tmp / "pg") as url:
             migrate.upgrade(url)
-            return asyncio.run(measure_shepherd(tmp, args.machines, args.concurrency, agent_path, url))
+            shepherd = measure_shepherd(
+                tmp,
+                args.machines,
+                args.concurrency,
+                agent_path,
+                url,
+                eager_start=args.eager_start,
+                dynamic_config=tuple(args.dynamic_config),
+            )
+            return asyncio.run(shepherd)
 
 
-def report(outcomes: list[Outcome]) -> None:
+def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
     print(
         f"{'variant':<13} {'machines':>8} {'in flight':>9} {'total':>7} {'per s':>6} {'p50':>6} {'p99':>6} "
         f"{'failed':>6} {'CPU here':>8} {'agents':>7} {'peak RSS':>8}"
@@ -298,6 +340,11 @@ def report(outcomes: list[Outcome]) -> None:
         f" a machine, PostgreSQL {shepherd.cpu_postgres / shepherd.machines * 1e3:.0f} ms; the agents"
         f" {shepherd.cpu_agents / shepherd.machines * 1e3:.0f} ms (raw: {raw.cpu_agents / raw.machines * 1e3:.0f} ms)"
     )
+    print(
+        f"eager workflow start {'asked' if args.eager_start else 'not asked'}, {shepherd.eager_started} of"
+        f" {shepherd.machines} started eagerly; dev server dynamic config:"
+        f" {', '.join(args.dynamic_config) or 'its defaults'}"
+    )
 
 
 def main() -> None:
@@ -307,6 +354,16 @@ def main() -> None:
     parser.add_argument("--machines", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=DEFAULTS.max_concurrent_activities)
     parser.add_argument("--variant", choices=["raw", "shepherd"], help="run one variant here and print it as JSON")
+    parser.add_argument(
+        "--eager-start", action="store_true", help="ask for each workflow's first task in its start response"
+    )
+    parser.add_argument(
+        "--dynamic-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dynamic config value of the Temporal dev server (VALUE in JSON); repeatable",
+    )
     args = parser.parse_args()
     if args.machines < 1 or args.concurrency < 1:
         parser.error("--machines and --concurrency must be at least 1")
@@ -322,9 +379,11 @@ def main() -> None:
         for variant in ("raw", "shepherd"):
             command = [sys.executable, "-m", "bench.bringup", "--machines", str(args.machines)]
             command += ["--concurrency", str(args.concurrency), "--variant", variant]
+            command += ["--eager-start"] * args.eager_start
+            command += [arg for value in args.dynamic_config for arg in ("--dynamic-config", value)]
             completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, env=environment)
             outcomes.append(Outcome(**json.loads(completed.stdout.strip().splitlines()[-1])))
-    report(outcomes)
+    report(outcomes, args)
 
 
 if __name__ == "__main__":
