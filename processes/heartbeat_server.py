@@ -493,8 +493,11 @@ class SignatureChecks:
     """
 
     def __init__(self, threads: int = SIGNATURE_THREADS) -> None:
-        self._threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="signature-checks")
+        # A thread each, so that a small batch always goes to the first: with one pool of several threads the
+        # hops of the unary call's small batches wandered between them and it took 15% fewer heartbeats a second.
+        self._executors = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"signature-checks-{number}") for number in range(threads)
+        ]
         self._waiting: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]] = []
         self._checking: asyncio.Task[None] | None = None
 
@@ -506,7 +509,8 @@ class SignatureChecks:
         return await outcome
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._executors:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     async def _check_while_waiting(self) -> None:
         loop = asyncio.get_running_loop()
@@ -536,12 +540,17 @@ class SignatureChecks:
         batch: list[tuple[bytes, agent_api_pb2.HeartbeatRequest, asyncio.Future[bool]]],
     ) -> list[bool]:
         # A small batch in one hop; a large one split over the threads, which check side by side.
-        parts = min(self._threads, max(1, len(batch) // SPLIT_ABOVE))
+        parts = min(len(self._executors), max(1, len(batch) // SPLIT_ABOVE))
         if parts == 1:
-            return await loop.run_in_executor(self._executor, _check_all, batch)
+            return await loop.run_in_executor(self._executors[0], _check_all, batch)
         size = -(-len(batch) // parts)
         chunks = [batch[start : start + size] for start in range(0, len(batch), size)]
-        verdicts = await asyncio.gather(*(loop.run_in_executor(self._executor, _check_all, chunk) for chunk in chunks))
+        verdicts = await asyncio.gather(
+            *(
+                loop.run_in_executor(executor, _check_all, chunk)
+                for executor, chunk in zip(self._executors[: len(chunks)], chunks, strict=True)
+            )
+        )
         return [verdict for chunk in verdicts for verdict in chunk]
 
 
