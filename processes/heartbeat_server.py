@@ -265,13 +265,18 @@ class HeartbeatService:
                 except asyncio.CancelledError:
                     if not self._ending_streams:
                         raise
+                    # end_streams' cancel is answered here; the call itself goes on to its end.
+                    task.uncancel()
                     break
                 finally:
                     self._reading.discard(task)
                 if request_bytes is grpc.aio.EOF:
                     return
                 await context.write(await self._answer(request_bytes, host, peer))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING)
+            # Set and returned rather than aborted: an aborted call is not always finished by the server's stop,
+            # and the event loop's close then cancels it with a traceback on stderr, outside the log.
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(STOPPING)
         finally:
             self.streams -= 1
 
