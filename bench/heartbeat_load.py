@@ -28,6 +28,7 @@ import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -86,23 +87,28 @@ def open_channels(args: argparse.Namespace, ca: bytes | None, count: int) -> lis
     return [grpc.aio.insecure_channel(args.target, options=options) for _ in range(count)]
 
 
+def heartbeat_methods(channels: list[grpc.aio.Channel], call: str) -> list[Any]:
+    """Each channel's unary Heartbeat or its Heartbeats stream, on raw bytes both ways: the agents' serializing is
+    done beforehand and the answers need little parsing."""
+    if call == "unary":
+        return [
+            channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
+            for channel in channels
+        ]
+    return [
+        channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
+        for channel in channels
+    ]
+
+
 async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> LoadSeen:
     channels = open_channels(args, ca, args.channels)
     await asyncio.gather(*(channel.channel_ready() for channel in channels))
     latencies: list[float] = []
     rejected: Counter[str] = Counter()
     pending = iter(requests)
-    # Raw bytes both ways: the agents' serializing is done beforehand and the answers need little parsing.
-    if args.call == "unary":
-        calls = [
-            channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
-            for channel in channels
-        ]
-    else:
-        opened = [
-            channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
-            for channel in channels
-        ]
+    calls = opened = heartbeat_methods(channels, args.call)
+    if args.call == "stream":
         streams = [opened[slot % len(opened)]() for slot in range(args.concurrency)]
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -164,16 +170,7 @@ async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None
 async def hold_idle(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> None:
     """Hold --idle agents over --channels connections, one heartbeat each, until told on standard input."""
     channels = open_channels(args, ca, args.channels)
-    if args.call == "unary":
-        calls = [
-            channel.unary_unary(f"/{SERVICE}/Heartbeat", request_serializer=None, response_deserializer=None)
-            for channel in channels
-        ]
-    else:
-        opened = [
-            channel.stream_stream(f"/{SERVICE}/Heartbeats", request_serializer=None, response_deserializer=None)
-            for channel in channels
-        ]
+    calls = opened = heartbeat_methods(channels, args.call)
     streams: list[grpc.aio.StreamStreamCall] = []
     refused: Counter[str] = Counter()
 
