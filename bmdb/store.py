@@ -34,7 +34,6 @@ from bmdb.schema import (
     recovery_holds,
     recovery_reboots,
 )
-from foundation.settings import redact_url as redact_url  # re-exported: callers import it along with BMDB
 
 
 class BMDBUnavailable(Exception):

@@ -20,7 +20,7 @@ from temporalio.common import MetricCounter, MetricGauge, MetricGaugeFloat, Metr
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from foundation.settings import check_listen_address
-from foundation.tls import read_certificates, soonest_days_left
+from foundation.tls import bmdb_client_certificate_path, read_certificates, soonest_days_left
 
 log = logging.getLogger("shepherd.metrics")
 
@@ -126,6 +126,13 @@ class CertificateExpiry:
 
     def watch(self, name: str, *sources: CertificateSource) -> None:
         self._watched[name] = sources
+
+    def watch_bmdb_client(self, database_url: str) -> None:
+        """BMDB's client certificate, where database_url names one (sslcert): libpq reads it for each connection,
+        so the file is what is in use."""
+        path = bmdb_client_certificate_path(database_url)
+        if path is not None:
+            self.watch(BMDB_CLIENT_CERTIFICATE, certificate_file(path))
 
     def refresh(self) -> None:
         """Set the gauge of every certificate watched from what its sources hold now."""

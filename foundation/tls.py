@@ -141,14 +141,18 @@ def parse_certificates(pem: bytes, where: str) -> list[x509.Certificate]:
     return certificates
 
 
+def read_pem(path: Path) -> bytes:
+    """The contents of a PEM file; CertificateProblem naming the file when it cannot be read."""
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise CertificateProblem(f"cannot read {path}: {error.strerror or error}", str(path)) from None
+
+
 def read_certificates(path: Path) -> list[x509.Certificate]:
     """The certificates in the PEM file at path; CertificateProblem naming the file when it cannot be read or
     holds none."""
-    try:
-        pem = path.read_bytes()
-    except OSError as error:
-        raise CertificateProblem(f"cannot read {path}: {error.strerror or error}", str(path)) from None
-    return parse_certificates(pem, str(path))
+    return parse_certificates(read_pem(path), str(path))
 
 
 def days_left(certificate: x509.Certificate, now: datetime.datetime | None = None) -> float:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from cryptography import x509
@@ -46,21 +46,21 @@ from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.logs import configure_logging
 from foundation.metrics import (
-    BMDB_CLIENT_CERTIFICATE,
     HEARTBEAT_SERVER_CERTIFICATE,
     CertificateExpiry,
-    certificate_file,
     meter_of,
     metrics_runtime,
 )
 from foundation.precise_sleep import precise_sleep
 from foundation.settings import Settings, SettingsError, check_listen_address
 from foundation.startup import StartupError
-from foundation.tls import CertificateProblem, NotValidYet, bmdb_client_certificate_path, load_key_pair
+from foundation.tls import CertificateProblem, NotValidYet, load_key_pair, read_pem
 from proto import SERVER_TIME_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 
 log = logging.getLogger("shepherd.heartbeat")
+
+T = TypeVar("T")
 
 SERVICE = "shepherd.agent.v1.AgentCallback"
 # A HeartbeatRequest is about 150 bytes; anything far larger is not one.
@@ -225,15 +225,7 @@ class HeartbeatService:
         """The unary Heartbeat: an accepted heartbeat's answer, or the refusal's gRPC status."""
         peer = context.peer() or "unknown"
         try:
-            if not self._peer_allowed(_host_of(peer)):
-                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "too many requests from this address")
-            if self.in_flight >= self.max_in_flight:
-                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", BUSY)
-            self.in_flight += 1
-            try:
-                response = await self.check_and_record(request_bytes)
-            finally:
-                self.in_flight -= 1
+            response = await self._within_limits(_host_of(peer), lambda: self.check_and_record(request_bytes))
         except HeartbeatRejected as rejection:
             self._count(rejection.result)
             self._log_rejection(rejection.result, peer)
@@ -291,21 +283,26 @@ class HeartbeatService:
     async def _answer(self, request_bytes: bytes, host: str, peer: str) -> bytes:
         """A stream message's answer, serialized."""
         try:
-            if not self._peer_allowed(host):
-                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "too many requests from this address")
-            if self.in_flight >= self.max_in_flight:
-                _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", BUSY)
-            self.in_flight += 1
-            try:
-                await self.verify_and_record(request_bytes)
-            finally:
-                self.in_flight -= 1
+            await self._within_limits(host, lambda: self.verify_and_record(request_bytes))
         except HeartbeatRejected as rejection:
             self._count(rejection.result, "stream")
             self._log_rejection(rejection.result, peer)
             return self._refusal(rejection).SerializeToString()
         self._count("accepted", "stream")
         return self._accepted_bytes
+
+    async def _within_limits(self, host: str, record: Callable[[], Awaitable[T]]) -> T:
+        """record(), once the address's rate and the cap on heartbeats handled at once let it in, on either call;
+        HeartbeatRejected otherwise."""
+        if not self._peer_allowed(host):
+            _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limited", "too many requests from this address")
+        if self.in_flight >= self.max_in_flight:
+            _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", BUSY)
+        self.in_flight += 1
+        try:
+            return await record()
+        finally:
+            self.in_flight -= 1
 
     def _refusal(self, rejection: HeartbeatRejected) -> agent_api_pb2.HeartbeatResponse:
         outcome = OUTCOMES[rejection.result]
@@ -652,13 +649,7 @@ class ServingCertificate:
         return _signature_of(self.certificate_path), _signature_of(self.key_path)
 
     def _read(self, not_before_margin: timedelta) -> tuple[list[x509.Certificate], tuple[bytes, bytes]]:
-        pems = []
-        for path in (self.certificate_path, self.key_path):
-            try:
-                pems.append(path.read_bytes())
-            except OSError as error:
-                raise CertificateProblem(f"cannot read {path}: {error.strerror or error}", str(path)) from None
-        certificate, key = pems
+        certificate, key = read_pem(self.certificate_path), read_pem(self.key_path)
         chain = load_key_pair(
             certificate, key, str(self.certificate_path), str(self.key_path), not_before_margin=not_before_margin
         )
@@ -785,9 +776,7 @@ async def run_heartbeat_server(
             settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path, on_change=reloaded
         )
         expiry.watch(HEARTBEAT_SERVER_CERTIFICATE, tls.current)
-    bmdb_certificate = bmdb_client_certificate_path(database_url)
-    if bmdb_certificate is not None:
-        expiry.watch(BMDB_CLIENT_CERTIFICATE, certificate_file(bmdb_certificate))
+    expiry.watch_bmdb_client(database_url)
     bmdb = await open_bmdb(database_url)
     service = HeartbeatService(
         bmdb,

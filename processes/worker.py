@@ -45,7 +45,6 @@ from activities.takeover import TakeoverActivities
 from foundation.logs import LogContextInterceptor
 from foundation.metrics import (
     AGENT_ENDPOINT_CA,
-    BMDB_CLIENT_CERTIFICATE,
     TEMPORAL_CLIENT_CERTIFICATE,
     CertificateExpiry,
     CertificateSource,
@@ -59,7 +58,7 @@ from foundation.metrics import (
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
-from foundation.tls import bmdb_client_certificate_path, parse_certificates
+from foundation.tls import parse_certificates
 from lifecycle.contracts import (
     LEGACY_FLEET_SCHEDULE_ID,
     MACHINE_STAGE,
@@ -263,9 +262,7 @@ def watch_certificates(
             lambda: [x509.load_der_x509_certificate(der) for der in ca_certificates],
             certificate_file(bundle_path),
         )
-    bmdb_certificate = bmdb_client_certificate_path(database_url)
-    if bmdb_certificate is not None:
-        expiry.watch(BMDB_CLIENT_CERTIFICATE, certificate_file(bmdb_certificate))
+    expiry.watch_bmdb_client(database_url)
 
 
 def uncompiled_modules(modules: Iterable[ModuleType]) -> list[str]:

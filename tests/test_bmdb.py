@@ -13,7 +13,8 @@ from sqlalchemy import create_engine
 
 from bmdb import migrate
 from bmdb.schema import metadata
-from bmdb.store import BMDB, BMDBUnavailable, HostKeyPinned, redact_url, sqlalchemy_url
+from bmdb.store import BMDB, BMDBUnavailable, HostKeyPinned, sqlalchemy_url
+from foundation.settings import redact_url
 
 
 def test_migrations_build_exactly_the_schema_the_code_uses(bmdb_url):
