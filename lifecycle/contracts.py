@@ -345,6 +345,10 @@ class MachineInput:
     # Set when an operator's restart_agent continues the workflow as new: the key fingerprint of the agent that
     # still runs, which the takeover replaces rather than takes for an earlier attempt's.
     replace_agent: str | None = None
+    # An operator's maintenance or decommission accepted while the run before was on its way out: the next run
+    # begins it at its first safe point.
+    maintenance: Maintenance | None = None
+    decommission: Decommission | None = None
 
 
 @dataclass

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from foundation.settings import Settings
 from lifecycle.contracts import (
@@ -80,6 +80,8 @@ class FakeMachineActivities:
         self.maintenance_records: list[tuple[bool, str]] = []
         # What check_agent_after_maintenance answers.
         self.agent_alive = True
+        # While set and not open, record_operator_action waits for it: an operator action's handler still running.
+        self.action_log_gate: asyncio.Event | None = None
         # Every call in order, by activity name.
         self.calls: list[str] = []
 
@@ -110,6 +112,8 @@ class FakeMachineActivities:
 
     @activity.defn(name="record_operator_action")
     async def record_operator_action(self, input: OperatorActionInput) -> None:
+        if self.action_log_gate is not None:
+            await self.action_log_gate.wait()
         self.actions_logged.append((input.kind, input.detail))
 
     @activity.defn(name="forget_decommissioned_agent")
@@ -778,6 +782,54 @@ async def test_operator_actions_say_who_asked_in_the_status_and_the_event_log(ti
             ("recovery_forced", "by unknown: smells of smoke"),
         ]
         await handle.terminate()
+
+
+@pytest.mark.parametrize("asked", ["decommission", "maintenance"])
+async def test_an_update_accepted_while_a_run_waits_for_its_handlers_is_carried_into_the_next_run(
+    time_skipping_env, asked: str
+):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, f"on-the-way-out-{asked}") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        first_run = (await handle.describe()).run_id
+        # A restart's handler logs the action in BMDB; held there, the run has decided to continue as new and
+        # waits for that handler before it does.
+        fakes.action_log_gate = asyncio.Event()
+        restart = await handle.start_update(
+            MachineWorkflow.restart_agent,
+            {"reason": "agent 2.1", "by": "alice"},
+            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+        )
+        if asked == "decommission":
+            answer = await decommission(handle, reason="scrapped", by="frank")
+            assert answer.startswith("decommissioning (scrapped)")
+        else:
+            answer = await maintenance(handle, on=True, reason="fans", by="carol")
+            assert answer == "in maintenance (fans): never rebooted or taken over until it ends"
+        fakes.action_log_gate.set()
+        await restart.result()
+        if asked == "decommission":
+            result = await asyncio.wait_for(handle.result(), timeout=60)
+            assert (result.by, result.reason, result.provider_action) == ("frank", "scrapped", "released")
+        else:
+            await env.sleep(timedelta(seconds=2))
+            status = await handle.query(MachineWorkflow.status)
+            assert (await handle.describe()).run_id != first_run, "the restart continued the workflow as new"
+            assert status.stage is MachineStage.MAINTENANCE and status.maintenance is not None
+            assert (status.maintenance.by, status.maintenance.left) == ("carol", MachineStage.AGENT_STARTING)
+            assert fakes.maintenance_records == [(True, "by carol: fans (it was AGENT_STARTING)")]
+            await maintenance(handle, on=False, reason="fans replaced", by="carol")
+            await env.sleep(timedelta(seconds=2))
+            assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
+            await handle.terminate()
+        # Whatever was asked began before the restart's takeover, which a machine in maintenance or being
+        # decommissioned must not get; a maintenance's end lets it run.
+        assert fakes.calls.count("start_agent") == (1 if asked == "decommission" else 2)
+        assert fakes.reboots == []
+        for run_id in (first_run, (await handle.describe()).run_id):
+            history = await env.client.get_workflow_handle(handle.id, run_id=run_id).fetch_history()
+            await Replayer(workflows=[MachineWorkflow]).replay_workflow(history)
 
 
 async def test_a_decommission_the_provider_does_not_carry_out_is_flagged_stuck(time_skipping_env):

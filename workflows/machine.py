@@ -193,10 +193,10 @@ class MachineWorkflow:
         # (who, why) of the operator who released the quarantined machine.
         self._release: tuple[str, str] | None = None
         # An operator's maintenance, asked for and not yet ended; and (who, why, reboot?) of its end.
-        self._maintenance_asked: Maintenance | None = None
+        self._maintenance_asked: Maintenance | None = input.maintenance
         self._maintenance_off: tuple[str, str, bool] | None = None
         # An operator's decommission, asked for; it begins at the next safe point.
-        self._decommission_asked: Decommission | None = None
+        self._decommission_asked: Decommission | None = input.decommission
         # (who, why) of an operator's restart of the agent of this WATCHING machine; the next run takes it over.
         self._restart_asked: tuple[str, str] | None = None
         # The running agent this run's takeover replaces, if a restart continued the workflow as new.
@@ -223,6 +223,7 @@ class MachineWorkflow:
             carried.step = StepProgress(status.attempts, status.stage_since, status.last_error, status.stuck)
             carried.recovery_requested = status.recovery_requested
             carried.replace_agent = self._replacing
+            self._carry_requests_accepted_on_the_way_out(carried)
             workflow.continue_as_new(carried)
 
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
@@ -278,7 +279,20 @@ class MachineWorkflow:
             next_run.resume_stage = MachineStage.AGENT_STARTING
             next_run.replace_agent = next_run.agent.key_fingerprint if next_run.agent else None
             next_run.agent = None
+        self._carry_requests_accepted_on_the_way_out(next_run)
         workflow.continue_as_new(next_run)
+
+    def _carry_requests_accepted_on_the_way_out(self, next_run: MachineInput) -> None:
+        """A maintenance or decommission accepted while this run waited for its handlers before continuing as new
+        (the update's caller was told it would happen): the next run begins it at its first safe point.
+
+        Carried in the input rather than begun here, so the commands of histories recorded before stay the same.
+        """
+        status = self._status
+        if self._decommission_pending():
+            next_run.decommission = self._decommission_asked
+        if self._maintenance_asked is not None and status.maintenance is None:
+            next_run.maintenance = self._maintenance_asked
 
     async def _bring_up(self, input: MachineInput) -> None:
         """PROVISIONING and AGENT_STARTING, from where the machine stands, to WATCHING."""
