@@ -60,6 +60,33 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
 
 
+_SHOWN_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def format_duration(seconds: float, *, most_units: int = len(_SHOWN_UNITS)) -> str:
+    """A duration as an operator reads it: 250ms, 1.5s, 45s, 1m30s, 2h30m, 1h00m05s, 30d.
+
+    Under a minute it keeps its fraction; from a minute on it is whole seconds in days, hours, minutes and
+    seconds, each unit after the first two digits wide, units of zero at the end left off. most_units keeps only
+    the largest ones, cut as a clock cuts (5h12m for 5h12m40s), for a column of fixed width.
+    """
+    if seconds < 0:
+        return "-" + format_duration(-seconds, most_units=most_units)
+    if seconds < 60:
+        return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
+    rest = round(seconds)
+    counts: list[tuple[int, str]] = []
+    for unit, size in _SHOWN_UNITS:
+        count, rest = divmod(rest, size)
+        if count or counts:
+            counts.append((count, unit))
+    counts = counts[:most_units]
+    while counts[-1][0] == 0:
+        counts.pop()
+    (first, first_unit), *others = counts
+    return f"{first}{first_unit}" + "".join(f"{count:02d}{unit}" for count, unit in others)
+
+
 # A provider instance's name is part of workflow ids, schedule ids and task queues.
 _INSTANCE_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _INSTANCE_KEYS = ("name", "type", "activities_per_second")

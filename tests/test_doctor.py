@@ -201,7 +201,7 @@ async def test_a_healthy_installation_passes_every_check(installation, shepherd_
     assert report.detail("workers sim").startswith(
         f"1 poller of activity tasks on task queue {queue}-provider-sim: {identity}; last poll "
     )
-    assert report.detail("fleet sim").startswith("shepherd-fleet-sim: running, every 604800s")
+    assert report.detail("fleet sim").startswith("shepherd-fleet-sim: running, every 7d")
     assert report.detail("fleet sim").endswith("; no passes yet")
     assert report.detail("bmdb schema") == f"at the newest migration, {migrate.head_revision()}"
     assert f"verified for 127.0.0.1 with the agents' CA {installation.tmp_path / 'agents-ca.pem'}" in report.detail(

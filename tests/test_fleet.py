@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from bmdb.store import BMDB
 from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
 from lifecycle.inputs import fleet_input
 from shepherd.commands.dev import settings_environment
+from shepherd.commands.fleet import schedule_line
 from shepherd.commands.machines import age, print_machines
 from simulator import Faults
 from tests.fleet_stack import fleet_stack
@@ -272,3 +274,36 @@ async def test_pass_calls_temporal_a_bounded_number_at_once_and_keeps_the_order(
 
     assert await each_at_most(list(range(50)), 7, call) == [n * 10 for n in range(50)]
     assert most == 7
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (2592000, "30d"),
+        (9000, "2h30m"),
+        (3605, "1h00m05s"),
+        (60, "1m"),
+        (90, "1m30s"),
+        (45, "45s"),
+        (1.5, "1.5s"),
+        (0.25, "250ms"),
+        (0, "0s"),
+    ],
+)
+async def test_the_fleet_schedules_interval_reads_as_an_operator_writes_it(seconds, shown):
+    interval = SimpleNamespace(every=timedelta(seconds=seconds))
+    description = SimpleNamespace(
+        schedule=SimpleNamespace(
+            state=SimpleNamespace(paused=True, note="rack move"), spec=SimpleNamespace(intervals=[interval])
+        ),
+        info=SimpleNamespace(next_action_times=[]),
+    )
+
+    class Handle:
+        async def describe(self) -> Any:
+            return description
+
+    client = SimpleNamespace(get_schedule_handle=lambda schedule_id: Handle())
+    line, facts = await schedule_line(client, "sim")  # type: ignore[arg-type]
+    assert line == f"schedule shepherd-fleet-sim: PAUSED (rack move), every {shown}"
+    assert facts["interval_seconds"] == seconds

@@ -16,7 +16,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB, BMDBUnavailable
-from foundation.settings import Settings
+from foundation.settings import Settings, format_duration
 from foundation.startup import connect_temporal
 from lifecycle.contracts import FLEET_WORKFLOW_TYPE, fleet_schedule_id
 from shepherd.commands.base import (
@@ -112,7 +112,7 @@ async def schedule_line(client: Client, provider: str) -> tuple[str, dict[str, A
         raise _schedule_error(schedule_id, error) from None
     state = description.schedule.state
     intervals = description.schedule.spec.intervals
-    every = f"every {intervals[0].every.total_seconds():g}s" if intervals else "on its own calendar"
+    every = f"every {format_duration(intervals[0].every.total_seconds())}" if intervals else "on its own calendar"
     upcoming = description.info.next_action_times[:1]
     facts = {
         "schedule_id": schedule_id,

@@ -14,7 +14,7 @@ from temporalio.client import Client
 
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, MachineRecord
-from foundation.settings import Settings
+from foundation.settings import Settings, format_duration
 from foundation.startup import connect_temporal
 from lifecycle.contracts import MACHINE_STAGE, RUNNING_MACHINES, MachineStage, machine_workflow_id
 from shepherd.commands.base import Subcommands, add_common, database, show
@@ -62,14 +62,7 @@ def age(then: datetime | None, now: datetime) -> str:
     """How long ago, in at most six characters: 42s, 3m07s, 5h12m, 12d04h."""
     if then is None:
         return "-"
-    seconds = max(0, int((now - then).total_seconds()))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    return format_duration(max(0, int((now - then).total_seconds())), most_units=2)
 
 
 def format_machines(views: list[MachineView], now: datetime) -> list[str]:
