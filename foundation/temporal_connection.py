@@ -18,7 +18,7 @@ from typing import Any
 
 from cryptography import x509
 from temporalio.envconfig import ClientConfigProfile, ClientConfigTLS
-from temporalio.service import TLSConfig
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from foundation.settings import Settings
 
@@ -39,6 +39,13 @@ _VARIABLES = {
     "tls_client_key": ("TEMPORAL_TLS_CLIENT_KEY_PATH", "TEMPORAL_TLS_CLIENT_KEY_DATA"),
 }
 
+
+# A refusal of the credentials, as the SDK reports it: the gRPC status code, or the HTTP status of a proxy that
+# answered in plain HTTP ("... while receiving response with status: 401 Unauthorized"). A bare 401 could be a
+# port, a namespace or a date in the same text.
+_REFUSED_CREDENTIALS = re.compile(
+    r"\bcode: (?:Unauthenticated|PermissionDenied)\b|\bstatus: 401\b|\b401 Unauthorized\b"
+)
 
 # Where a client certificate or its key is set: the variable, and the key of a profile's [tls].
 _CLIENT_TLS_SETTINGS = {
@@ -130,7 +137,11 @@ class TemporalConnection:
                 f"the server refused the client certificate {_shown(tls.client_cert, '')} "
                 f"({self.source('tls_client_certificate')}): it is not issued by a CA the server trusts, or revoked"
             )
-        if "401" in text or "Unauthenticated" in text or "PermissionDenied" in text:
+        refused_credentials = isinstance(error, RPCError) and error.status in (
+            RPCStatusCode.UNAUTHENTICATED,
+            RPCStatusCode.PERMISSION_DENIED,
+        )
+        if refused_credentials or _REFUSED_CREDENTIALS.search(text):
             if self.api_key is not None:
                 source = self.source("api_key")
                 setting = "TEMPORAL_API_KEY" if "TEMPORAL_API_KEY" in source else "api_key in the profile"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from foundation.settings import Settings
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
@@ -70,6 +71,48 @@ def test_an_api_key_turns_tls_on_and_is_never_shown():
     assert arguments["tls"].server_root_ca_cert is None, "the system trust store"
     assert "sekrit-key" not in repr(connection.described())
     assert ("api_key", "***", "environment TEMPORAL_API_KEY") in connection.described()
+
+
+# What the SDK says when the server or a proxy in front of it refuses the credentials (as the nginx of
+# tests/temporal_proxy.py answers, see test_temporal_tls.py): a gRPC status, or an HTTP 401 with a page.
+CONNECT_FAILED = "Failed client connect: `get_system_info` call error after connection: "
+GRPC_REFUSAL = (
+    CONNECT_FAILED + 'Status { code: Unauthenticated, message: "invalid API key", metadata: MetadataMap { headers: '
+    '{"server": "nginx/1.22.1", "content-type": "application/grpc", "content-length": "0"} }, source: None }'
+)
+HTTP_REFUSAL = (
+    CONNECT_FAILED + 'Status { code: Internal, message: "protocol error: received message with invalid compression '
+    'flag: 60 (valid flags are 0 and 1) while receiving response with status: 401 Unauthorized", metadata: '
+    'MetadataMap { headers: {"server": "nginx/1.22.1", "content-type": "text/html", "content-length": "179"} }, '
+    "source: None }"
+)
+REFUSED_KEY = "the server refused the API key (environment TEMPORAL_API_KEY): check TEMPORAL_API_KEY"
+
+
+@pytest.mark.parametrize("text", [GRPC_REFUSAL, HTTP_REFUSAL], ids=["grpc-status", "http-401"])
+def test_a_refusal_of_the_credentials_names_the_api_key(text):
+    connection = load_temporal_connection(Settings(), {**NOWHERE, "TEMPORAL_API_KEY": "sekrit-key"})
+    assert connection.explain(RuntimeError(text)) == REFUSED_KEY
+    assert connection.explain(RPCError("invalid API key", RPCStatusCode.UNAUTHENTICATED, b"")) == REFUSED_KEY
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        CONNECT_FAILED + 'Status { code: NotFound, message: "Namespace fleet-401 is not found.", metadata: '
+        "MetadataMap { headers: {} }, source: None }",
+        CONNECT_FAILED + 'Status { code: Unavailable, message: "error trying to connect: tcp connect error: '
+        'deadline has elapsed (127.0.0.1:4010)", metadata: MetadataMap { headers: {} }, source: None }',
+        CONNECT_FAILED + 'Status { code: Internal, message: "protocol error", metadata: MetadataMap { headers: '
+        '{"content-type": "text/html", "content-length": "401"} }, source: None }',
+    ],
+    ids=["namespace", "port", "content-length"],
+)
+def test_a_401_elsewhere_in_the_error_is_no_refusal_of_the_credentials(text):
+    connection = load_temporal_connection(
+        Settings(), {**NOWHERE, "TEMPORAL_API_KEY": "sekrit-key", "TEMPORAL_ADDRESS": "127.0.0.1:4010"}
+    )
+    assert connection.explain(RuntimeError(text)) == text
 
 
 @pytest.mark.parametrize(
