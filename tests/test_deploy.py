@@ -51,7 +51,7 @@ SHELL_OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
 
 
 def rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def deploy_files() -> list[Path]:
@@ -77,15 +77,46 @@ def kubernetes_objects() -> list[tuple[Path, dict[str, Any]]]:
 
 
 def env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines, as Compose and systemd read them (no quoting is used in these files)."""
+    """KEY=VALUE lines, as systemd's EnvironmentFile= reads them (systemd.exec(5)), and Compose's env_file alike."""
     variables = {}
     for line in path.read_text().splitlines():
         line = line.strip()
-        if line and not line.startswith("#"):
+        if line and not line.startswith(("#", ";")):
             key, sep, value = line.partition("=")
             assert sep, f"{rel(path)}: {line!r} is not KEY=VALUE"
-            variables[key] = value
+            variables[key.strip()] = env_file_value(value, f"{rel(path)}: {line!r}")
     return variables
+
+
+def env_file_value(text: str, where: str) -> str:
+    """One value of an environment file, as systemd reads it: '...' verbatim; "..." with the shell's escapes of
+    backslash, quote, backtick and dollar (any other backslash kept with its character); unquoted, a backslash
+    keeps the next character. Only what these files may use: a quoted value is one string, on one line."""
+    text = text.strip()
+    assert not text.endswith("\\"), f"{where}: a line continued with a backslash"
+    if text.startswith("'"):
+        single = re.fullmatch(r"'([^']*)'", text)
+        assert single, f"{where}: not one single-quoted string"
+        return single.group(1)
+    if text.startswith('"'):
+        double = re.fullmatch(r'"((?:[^"\\]|\\.)*)"', text)
+        assert double, f"{where}: not one double-quoted string"
+        return re.sub(r'\\([\\"`$])', r"\1", double.group(1))
+    return re.sub(r"\\(.)", r"\1", text)
+
+
+def shell_env_file(path: Path) -> dict[str, str]:
+    """The variables a POSIX shell gets from `set -a; . FILE`, as an operator loads the file before a command."""
+
+    def environment(script: str) -> dict[str, str]:
+        result = subprocess.run(
+            ["env", "-i", "sh", "-c", script, "sh", str(path)], capture_output=True, text=True, timeout=10
+        )
+        assert (result.returncode, result.stderr) == (0, ""), f"sh: {script}: {result.stderr}"
+        return dict(item.split("=", 1) for item in result.stdout.split("\0") if item)
+
+    before, after = environment("env -0"), environment('set -a; . "$1"; env -0')
+    return {name: value for name, value in after.items() if before.get(name) != value}
 
 
 def shell_commands(script: str) -> list[list[str]]:
@@ -885,6 +916,33 @@ def test_systemd_environment_files_do_not_override_the_units():
         for variable in sorted(set(unit_own_env(unit)) & set(env_file(example)))
     ]
     assert not problems, "\n".join(problems)
+
+
+def systemd_env_files() -> list[Path]:
+    return sorted({example for unit in systemd_units() for example in unit_env_files(unit)})
+
+
+def test_a_shell_reads_the_systemd_environment_files_as_systemd_does(tmp_path):
+    """Operators load worker.env into a shell (`set -a; . /etc/shepherd/worker.env`) to run commands beside the
+    services: the shell must get what systemd gives them, the & of a TLS database URL included. The assignments
+    its comments offer must hold the same once uncommented."""
+    examples = systemd_env_files()
+    assert examples, "no EnvironmentFile= example in deploy/systemd"
+    problems = []
+    for example in examples:
+        uncommented = tmp_path / example.name
+        uncommented.write_text(re.sub(r"^# ?(?=[A-Z][A-Z0-9_]*=)", "", example.read_text(), flags=re.MULTILINE))
+        for path, where in ((example, rel(example)), (uncommented, f"{rel(example)}, uncommented")):
+            systemd, shell = env_file(path), shell_env_file(path)
+            if shell != systemd:
+                problems.append(f"{where}: a shell reads {shell}, systemd {systemd}")
+                continue
+            from_shell, from_systemd = Settings.from_env(shell), Settings.from_env(systemd)
+            if from_shell != from_systemd:
+                problems.append(f"{where}: the settings from a shell {from_shell}, from systemd {from_systemd}")
+    assert not problems, "\n".join(problems)
+    # Guards the test against passing on nothing: the URL has the & that a shell would take for its own.
+    assert any("&" in env_file(example).get("SHEPHERD_DATABASE_URL", "") for example in examples)
 
 
 def test_systemd_loads_the_units_without_a_warning(tmp_path):
