@@ -14,7 +14,7 @@ from aiohttp import web
 from temporalio.common import MetricMeter
 
 from simulator.machine import SimulatedMachine
-from simulator.state import FleetState, MachineRecord, SimulatorConfig
+from simulator.state import FleetState, MachineRecord, SimulatorConfig, StateFiles
 
 log = logging.getLogger("simulator")
 
@@ -42,7 +42,7 @@ class Simulator:
         self.slots = config.slot_ids()
         # A slot's place, for its location: a listing of 100,000 slots must not search the list for each.
         self._slot_index = {slot: index for index, slot in enumerate(self.slots)}
-        self.state_path = config.state_dir / "sim-state.json"
+        self.state_files = StateFiles(config.state_dir / "sim-state.json")
         self.state = FleetState()
         self.machines: dict[str, SimulatedMachine] = {}
         self.random = random.Random()
@@ -56,10 +56,11 @@ class Simulator:
 
     async def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        self.state = FleetState.load(self.state_path)
+        self.state = self.state_files.load()
         for record in self.state.machines.values():
             await self._bring_up(record)
-        self._save()
+        # The machines' ports as they came up, and the journal folded into the snapshot.
+        self.state_files.save(self.state)
         app = web.Application(middlewares=[self._metrics_middleware, self._fault_middleware])
         app.add_routes(
             [
@@ -106,9 +107,6 @@ class Simulator:
             await machine.stop_ssh()
         self.machines[record.machine_id] = machine
         return machine
-
-    def _save(self) -> None:
-        self.state.save(self.state_path)
 
     def view(self, slot: str) -> dict[str, Any]:
         machine = self.machines.get(slot)
@@ -211,10 +209,9 @@ class Simulator:
                 return _error(409, f"capacity slot {slot} is already in use by another request")
             host_key = asyncssh.generate_private_key("ssh-ed25519").export_private_key("openssh").decode()
             record = MachineRecord(slot, key, public_key, host_key)
-            self.state.machines[slot] = record
-            self.state.creations[slot] = self.state.creations.get(slot, 0) + 1
             await self._bring_up(record)
-            self._save()
+            # On disk before the answer: a machine answered as created outlives a crash of the simulator.
+            self.state_files.append(self.state, self.state.create(record))
         log.info("created machine %s (idempotency key %s)", slot, key)
         return web.json_response(self.view(slot), status=201)
 
@@ -235,9 +232,8 @@ class Simulator:
             if machine is None:
                 return _error(404, f"no machine {slot}")
             await machine.shutdown()
-            del self.state.machines[slot]
             shutil.rmtree(machine.root_fs.parent, ignore_errors=True)
-            self._save()
+            self.state_files.append(self.state, self.state.release(slot))
         log.info("released machine %s: its slot is free capacity again", slot)
         return web.json_response(self.view(slot), status=200)
 

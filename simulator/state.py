@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,24 +104,107 @@ class FleetState:
     # How many times each slot was actually created: more than 1 is a duplicate.
     creations: dict[str, int] = field(default_factory=dict)
 
-    @classmethod
-    def load(cls, path: Path) -> FleetState:
-        """The state saved at path, or an empty one if there is none; StateUnreadable naming what is wrong."""
-        if not path.exists():
-            return cls()
-        try:
-            raw = json.loads(path.read_bytes())
-            return cls(
-                machines={str(k): MachineRecord(**v) for k, v in raw.get("machines", {}).items()},
-                creations={str(k): int(v) for k, v in raw.get("creations", {}).items()},
-            )
-        except (ValueError, TypeError, AttributeError) as error:
-            problem = f"the simulator's state {path} is unreadable ({error}); move it away to start afresh"
-            raise StateUnreadable(problem) from None
+    def create(self, record: MachineRecord) -> dict[str, Any]:
+        """Add a created machine; the change, for the journal."""
+        change = {"created": asdict(record), "creations": self.creations.get(record.machine_id, 0) + 1}
+        self.apply(change)
+        return change
 
-    def save(self, path: Path) -> None:
-        # It holds the machines' private host keys: readable by the simulator's user alone.
-        replace_file(path, json.dumps(asdict(self), indent=1, sort_keys=True).encode(), 0o600)
+    def release(self, machine_id: str) -> dict[str, Any]:
+        """Forget a released machine, its creations counted still; the change, for the journal."""
+        change = {"released": machine_id}
+        self.apply(change)
+        return change
+
+    def apply(self, change: dict[str, Any]) -> None:
+        """Make one change of the journal. Each sets what it names outright, so applying again what a snapshot
+        already holds changes nothing."""
+        if "created" in change:
+            record = MachineRecord(**change["created"])
+            self.machines[record.machine_id] = record
+            self.creations[record.machine_id] = int(change["creations"])
+        elif "released" in change:
+            self.machines.pop(str(change["released"]), None)
+        else:
+            raise ValueError(f"unknown change {sorted(change)}")
 
     def by_idempotency_key(self, key: str) -> MachineRecord | None:
         return next((m for m in self.machines.values() if m.idempotency_key == key), None)
+
+
+# Below this, the journal is left to grow: rewriting a small fleet's snapshot at every change gains nothing.
+_JOURNAL_FLOOR = 64 * 1024
+
+
+class StateFiles:
+    """The simulator's state on disk: a snapshot, and a journal of the changes made since.
+
+    A change is one JSON line appended to the journal and flushed to disk before the API answers, so a machine
+    answered as created outlives the process, even killed, and costs the size of its own record. The snapshot is
+    rewritten, and the journal emptied, when the journal has outgrown it, and at start: the bytes written stay in
+    proportion to the changes made, not to the fleet times the changes.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.journal_path = path.with_name(f"{path.stem}.journal")
+        self._snapshot_bytes = 0
+        self._journal_bytes = 0
+        # After a failed append the journal may miss a change the state holds, or end in part of one: only a
+        # snapshot can catch up.
+        self._snapshot_due = False
+
+    def load(self) -> FleetState:
+        """The saved state with the journal's changes made, or an empty one; StateUnreadable naming what is wrong."""
+        state = FleetState()
+        if self.path.exists():
+            try:
+                raw = json.loads(self.path.read_bytes())
+                state = FleetState(
+                    machines={str(k): MachineRecord(**v) for k, v in raw.get("machines", {}).items()},
+                    creations={str(k): int(v) for k, v in raw.get("creations", {}).items()},
+                )
+            except (ValueError, TypeError, AttributeError) as error:
+                raise self._unreadable(self.path, error) from None
+        if self.journal_path.exists():
+            lines = self.journal_path.read_bytes().split(b"\n")
+            # What follows the last newline is an append cut short by a crash, never answered: it did not happen.
+            for number, line in enumerate(lines[:-1], 1):
+                try:
+                    change = json.loads(line)
+                    state.apply(change)
+                except (ValueError, TypeError, AttributeError, KeyError) as error:
+                    raise self._unreadable(self.journal_path, f"line {number}: {error}") from None
+        return state
+
+    def save(self, state: FleetState) -> None:
+        """Write the whole state as the snapshot, then empty the journal it holds."""
+        # It holds the machines' private host keys: readable by the simulator's user alone.
+        snapshot = json.dumps(asdict(state), indent=1, sort_keys=True).encode()
+        replace_file(self.path, snapshot, 0o600)
+        # A crash here leaves the journal to be applied again over a snapshot that holds it: no change.
+        self.journal_path.unlink(missing_ok=True)
+        self._snapshot_bytes, self._journal_bytes, self._snapshot_due = len(snapshot), 0, False
+
+    def append(self, state: FleetState, change: dict[str, Any]) -> None:
+        """Keep one change made to state: in the journal, or in a new snapshot once the journal outgrew the last."""
+        if self._snapshot_due or self._journal_bytes >= max(self._snapshot_bytes, _JOURNAL_FLOOR):
+            self.save(state)
+            return
+        line = json.dumps(change, sort_keys=True).encode() + b"\n"
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        try:
+            unwritten = memoryview(line)
+            while unwritten:
+                unwritten = unwritten[os.write(fd, unwritten) :]
+            os.fsync(fd)
+        except OSError:
+            self._snapshot_due = True
+            raise
+        finally:
+            os.close(fd)
+        self._journal_bytes += len(line)
+
+    @staticmethod
+    def _unreadable(path: Path, problem: object) -> StateUnreadable:
+        return StateUnreadable(f"the simulator's state {path} is unreadable ({problem}); move it away to start afresh")

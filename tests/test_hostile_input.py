@@ -74,8 +74,12 @@ async def test_the_simulators_state_with_the_machines_private_host_keys_is_for_i
     finally:
         await provider.close()
         await simulator.stop()
-    state = tmp_path / "sim" / "sim-state.json"
-    assert "PRIVATE KEY" in state.read_text() and state.stat().st_mode & 0o777 == 0o600
+    # The snapshot, and the journal of the changes made since it.
+    files = sorted((tmp_path / "sim").glob("sim-state.*"))
+    assert "PRIVATE KEY" in "".join(path.read_text() for path in files)
+    assert {path.name: path.stat().st_mode & 0o777 for path in files} == dict.fromkeys(
+        ["sim-state.journal", "sim-state.json"], 0o600
+    )
 
 
 async def test_the_upload_never_writes_through_a_link_planted_under_its_temporary_name(sshd, tmp_path, monkeypatch):
