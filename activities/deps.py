@@ -1,4 +1,5 @@
-"""What the activities share: settings, BMDB, providers, the Temporal client, the SSH key.
+"""What the activities share: settings, BMDB, providers, the Temporal client, the SSH key, and what a takeover
+hands out: the agent executable and the agents' CA bundle.
 
 Built once per worker process; secrets (the SSH private key, the agent
 executable) live here and never in a payload.
@@ -17,10 +18,12 @@ from temporalio.exceptions import ApplicationError
 
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
+from foundation.executables import agent_executable_file
+from foundation.files import ReloadedFile
 from foundation.metrics import WorkerMetrics
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
-from foundation.tls import load_ca_certificates
+from foundation.tls import agent_ca_bundle_file
 from providers import Provider, ProviderError
 from providers.registry import open_providers
 
@@ -35,10 +38,18 @@ class ActivityDeps:
     client: Client
     ssh_key: asyncssh.SSHKey
     ssh_public_key: str
-    agent_executable: bytes = b""
-    # DER each: the CA bundle agents are given at takeover.
-    ca_certificates: tuple[bytes, ...] = ()
+    # The agent executable and the CA bundle (DER each) takeovers hand out, read again when their files change, so
+    # an agent upgrade or a CA rotation needs no restart of the workers; None where none is set.
+    agent_executable_file: ReloadedFile[bytes] | None = None
+    agent_ca_bundle_file: ReloadedFile[tuple[bytes, ...]] | None = None
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics.on(MetricMeter.noop))
+
+    def takeover_files(self) -> tuple[bytes, tuple[bytes, ...]]:
+        """The agent executable and the CA bundle a takeover hands out now: as their files are, or as they were
+        when last good (a bad replacement is logged once and left unused)."""
+        agent = self.agent_executable_file.current() if self.agent_executable_file is not None else b""
+        bundle = self.agent_ca_bundle_file.current() if self.agent_ca_bundle_file is not None else ()
+        return agent, bundle
 
     def provider(self, name: str) -> Provider:
         try:
@@ -57,13 +68,15 @@ class ActivityDeps:
 
 
 async def open_activity_deps(settings: Settings, client: Client, database_url: str) -> ActivityDeps:
-    """Read the agent, the SSH key and the CA certificates, open BMDB and the provider; close() gives them back."""
+    """Read the agent, the SSH key and the CA certificates, open BMDB and the provider; close() gives them back.
+
+    An agent executable or a CA bundle that cannot be handed out is a SettingsError naming its setting."""
     settings.check_agent()
     assert settings.agent_executable_path is not None
     ssh_key = load_or_create_ssh_key(settings.effective_ssh_key_path)
     ca_path = settings.agent_endpoint_ca_certificate_path
-    ca_certificates = load_ca_certificates(ca_path) if ca_path is not None else ()
-    agent_executable = settings.agent_executable_path.read_bytes()
+    agent_ca_bundle = agent_ca_bundle_file(ca_path) if ca_path is not None else None
+    agent_executable = agent_executable_file(settings.agent_executable_path)
     bmdb = await open_bmdb(database_url)
     providers = open_providers(settings)
     return ActivityDeps(
@@ -73,8 +86,8 @@ async def open_activity_deps(settings: Settings, client: Client, database_url: s
         client=client,
         ssh_key=ssh_key,
         ssh_public_key=public_key_openssh(ssh_key),
-        agent_executable=agent_executable,
-        ca_certificates=ca_certificates,
+        agent_executable_file=agent_executable,
+        agent_ca_bundle_file=agent_ca_bundle,
     )
 
 

@@ -36,7 +36,10 @@ class TakeoverActivities:
 
     def __init__(self, deps: ActivityDeps) -> None:
         self.deps = deps
-        self.takeover_settings = TakeoverSettings.of(deps.settings, deps.agent_executable, deps.ca_certificates)
+
+    def _takeover_settings(self) -> TakeoverSettings:
+        # Looked up at each takeover: an agent executable or a CA bundle replaced meanwhile is the one handed out.
+        return TakeoverSettings.of(self.deps.settings, *self.deps.takeover_files())
 
     @activity.defn
     async def start_agent(self, input: StartAgentInput) -> AgentFacts:
@@ -67,7 +70,7 @@ class TakeoverActivities:
             return None
 
         try:
-            result = await take_over(target, self.takeover_settings, self.deps.ssh_key, pin)
+            result = await take_over(target, self._takeover_settings(), self.deps.ssh_key, pin)
         except TakeoverError as error:
             self.deps.metrics.takeovers.add(1, {"outcome": error.failure.name.lower()})
             await self.deps.bmdb.add_event(machine_id, "agent_start_failed", str(error))
@@ -110,7 +113,7 @@ class TakeoverActivities:
             return f"{input.provider} lists no address for {input.provider_id}: no agent was started"
         target = self._target(input.machine_id, machine.address, machine, record)
         try:
-            answer = await stop_agent(target, self.takeover_settings, self.deps.ssh_key)
+            answer = await stop_agent(target, self._takeover_settings(), self.deps.ssh_key)
         except TakeoverError as error:
             log.warning("cannot stop the agent on %s machine %s: %s", input.provider, input.provider_id, error)
             return f"not stopped over SSH ({error.problem}); its heartbeats are refused from now on"

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import NameOID
 
-from foundation.files import replace_file
+from foundation.files import ReloadedFile, replace_file
 from foundation.settings import SettingsError
 
 
@@ -219,14 +219,36 @@ def _public_key_der(key: PublicKeyTypes) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def load_ca_certificates(path: Path) -> tuple[bytes, ...]:
+def read_ca_bundle(path: Path) -> tuple[bytes, ...]:
     """DER bytes of each CA certificate in the PEM bundle at path, in the file's order: the CAs agents trust for
-    their endpoint. During a CA rotation the bundle holds the old CA and the new."""
+    their endpoint. During a CA rotation the bundle holds the old CA and the new. CertificateProblem naming the file
+    when it cannot be read, holds no certificate, or a certificate in it does not parse."""
+    return tuple(certificate.public_bytes(serialization.Encoding.DER) for certificate in read_certificates(path))
+
+
+def load_ca_certificates(path: Path) -> tuple[bytes, ...]:
+    """read_ca_bundle, with a SettingsError naming agent_endpoint_ca_certificate_path for a bundle it refuses."""
     try:
-        certificates = read_certificates(path)
+        return read_ca_bundle(path)
     except CertificateProblem as problem:
         raise SettingsError("agent_endpoint_ca_certificate_path", str(problem)) from None
-    return tuple(certificate.public_bytes(serialization.Encoding.DER) for certificate in certificates)
+
+
+def agent_ca_bundle_file(path: Path) -> ReloadedFile[tuple[bytes, ...]]:
+    """The CA bundle takeovers hand the agents (DER each), read again when the file changed; a bundle that does not
+    parse whole is kept from use (and at start, a SettingsError naming agent_endpoint_ca_certificate_path)."""
+
+    def describe(bundle: tuple[bytes, ...]) -> str:
+        certificates = [x509.load_der_x509_certificate(der) for der in bundle]
+        soonest = min(certificate.not_valid_after_utc for certificate in certificates)
+        return (
+            f"{len(bundle)} CA certificate(s), the first to expire on {soonest:%Y-%m-%d %H:%M} UTC; "
+            "takeovers from now on hand them to the agents"
+        )
+
+    return ReloadedFile(
+        path, read_ca_bundle, what="agents' CA bundle", setting="agent_endpoint_ca_certificate_path", describe=describe
+    )
 
 
 def bmdb_client_certificate_path(database_url: str) -> Path | None:

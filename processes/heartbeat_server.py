@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import random
 import resource
 import signal
@@ -44,6 +43,7 @@ from temporalio.common import MetricMeter
 from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
+from foundation.files import FileChanges
 from foundation.logs import configure_logging
 from foundation.metrics import (
     HEARTBEAT_SERVER_CERTIFICATE,
@@ -573,17 +573,6 @@ def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
 # A renewed certificate that is not valid yet is served this long after its validity begins: a client whose clock
 # is a little behind (or reads the time coarsely) would refuse it a moment earlier.
 NOT_BEFORE_MARGIN = 60.0
-# What stat says of a file, to tell that it changed without reading it: (device, inode, size, mtime and ctime in
-# nanoseconds), or why it could not be stat'ed.
-FileSignature = tuple[int, int, int, int, int] | str
-
-
-def _signature_of(path: Path) -> FileSignature:
-    try:
-        status = os.stat(path)
-    except OSError as error:
-        return error.strerror or str(error)
-    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
 
 
 class ServingCertificate:
@@ -610,7 +599,8 @@ class ServingCertificate:
         self.not_before_margin = timedelta(seconds=not_before_margin)
         # fetch runs on a thread of gRPC's core, refresh on the event loop.
         self._lock = threading.Lock()
-        self._seen = self._signature()
+        # Stat'ed before the first read, so that a write after it is read at the next look.
+        self._files = FileChanges(certificate_path, key_path)
         try:
             # At start there is no pair before to serve meanwhile: one valid now is served.
             self.chain, self._pems = self._read(timedelta(0))
@@ -645,9 +635,6 @@ class ServingCertificate:
             self._reload_if_changed()
             return self.chain
 
-    def _signature(self) -> tuple[FileSignature, FileSignature]:
-        return _signature_of(self.certificate_path), _signature_of(self.key_path)
-
     def _read(self, not_before_margin: timedelta) -> tuple[list[x509.Certificate], tuple[bytes, bytes]]:
         certificate, key = read_pem(self.certificate_path), read_pem(self.key_path)
         chain = load_key_pair(
@@ -656,12 +643,12 @@ class ServingCertificate:
         return chain, (certificate, key)
 
     def _reload_if_changed(self) -> None:
-        signature = self._signature()
+        # Looked at before reading: a write after the read changes what the next look sees, and is read then.
+        changed = self._files.look()
         retry = self._retry_at is not None and datetime.now(UTC) >= self._retry_at
-        if signature == self._seen and not retry:
+        if not changed and not retry:
             return
-        # Stat'ed before reading: a write after the read changes what the next look sees, and is read then.
-        self._seen, self._retry_at = signature, None
+        self._retry_at = None
         try:
             chain, pems = self._read(self.not_before_margin)
         except CertificateProblem as problem:

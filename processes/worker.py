@@ -42,6 +42,7 @@ from activities.fleet import FleetActivities
 from activities.provisioning import ProvisioningActivities
 from activities.recovery import RecoveryActivities
 from activities.takeover import TakeoverActivities
+from foundation.files import ReloadedFile
 from foundation.logs import LogContextInterceptor
 from foundation.metrics import (
     AGENT_ENDPOINT_CA,
@@ -235,15 +236,17 @@ def watch_certificates(
     expiry: CertificateExpiry,
     settings: Settings,
     temporal_tls: TLSConfig | bool | None,
-    ca_certificates: tuple[bytes, ...],
+    agent_ca_bundle: ReloadedFile[tuple[bytes, ...]] | None,
     database_url: str,
 ) -> None:
     """Give the gauge of certificate expiry what a worker holds, where each is configured: the Temporal client
-    certificate it connected with (temporal_tls), the CA bundle agents are given at takeover (ca_certificates,
-    DER each), and BMDB's client certificate (sslcert in database_url).
+    certificate it connected with (temporal_tls), the CA bundle agents are given at takeover (agent_ca_bundle),
+    and BMDB's client certificate (sslcert in database_url).
 
-    The first two are read at start and used as read until the worker restarts: each is watched as held and as
-    on disk, and the sooner to expire counts, so renewing the file clears the alert once a restart put it to use.
+    The Temporal client certificate is read at start and used as read until the worker restarts: it is watched as
+    held and as on disk, and the sooner to expire counts, so renewing the file clears the alert once a restart put
+    it to use. The CA bundle counts as takeovers hand it out, its file looked at first: a renewed bundle counts
+    from the refresh after it was written, a bad one not at all while the one before is handed out.
     """
     if isinstance(temporal_tls, TLSConfig) and temporal_tls.client_cert is not None:
         held = temporal_tls.client_cert
@@ -255,12 +258,9 @@ def watch_certificates(
         if configured is not None and isinstance(configured.client_cert, Path):
             sources.append(certificate_file(configured.client_cert))
         expiry.watch(TEMPORAL_CLIENT_CERTIFICATE, *sources)
-    bundle_path = settings.agent_endpoint_ca_certificate_path
-    if ca_certificates and bundle_path is not None:
+    if agent_ca_bundle is not None:
         expiry.watch(
-            AGENT_ENDPOINT_CA,
-            lambda: [x509.load_der_x509_certificate(der) for der in ca_certificates],
-            certificate_file(bundle_path),
+            AGENT_ENDPOINT_CA, lambda: [x509.load_der_x509_certificate(der) for der in agent_ca_bundle.current()]
         )
     expiry.watch_bmdb_client(database_url)
 
@@ -320,7 +320,7 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
                 observers.create_task(observe_fleet(client, deps, stop))
                 expiry = CertificateExpiry(meter_of(runtime))
                 watch_certificates(
-                    expiry, settings, client.service_client.config.tls, deps.ca_certificates, database_url
+                    expiry, settings, client.service_client.config.tls, deps.agent_ca_bundle_file, database_url
                 )
                 observers.create_task(expiry.run(stop))
             await stop.wait()

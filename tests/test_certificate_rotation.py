@@ -44,7 +44,13 @@ from foundation.metrics import (
     metrics_runtime,
 )
 from foundation.settings import Settings, SettingsError
-from foundation.tls import CertificateAuthority, days_left, load_ca_certificates, subject_alternative_name
+from foundation.tls import (
+    CertificateAuthority,
+    agent_ca_bundle_file,
+    days_left,
+    load_ca_certificates,
+    subject_alternative_name,
+)
 from lifecycle.takeover import TakeoverSettings, takeover_init
 from processes.heartbeat_server import HeartbeatService, ServingCertificate, build_server, run_heartbeat_server
 from processes.worker import watch_certificates
@@ -517,7 +523,7 @@ async def test_a_worker_exports_the_sooner_of_each_certificate_it_holds_and_its_
         expiry,
         Settings(agent_endpoint_ca_certificate_path=bundle),
         TLSConfig(client_cert=held[0], client_private_key=held[1]),
-        load_ca_certificates(bundle),
+        agent_ca_bundle_file(bundle),
         "postgresql://shepherd@db.example.net/bmdb",
     )
     expiry.refresh()
@@ -532,15 +538,27 @@ async def test_a_worker_exports_the_sooner_of_each_certificate_it_holds_and_its_
     assert abs(total(series, CERTIFICATE_EXPIRY, certificate=AGENT_ENDPOINT_CA) - days(old_ca.certificate_pem)) < 0.01
     assert expiry_of(series, BMDB_CLIENT_CERTIFICATE) is None, "no sslcert in the URL: nothing to watch"
 
-    # The old CA leaves the bundle on disk; the worker still hands out the one it read: the sooner still counts.
-    bundle.write_bytes(new_ca.certificate_pem)
+    # The old CA leaves the bundle on disk: takeovers hand out the new bundle from now on, and it counts.
+    replace_file(bundle, new_ca.certificate_pem, 0o644)
     expiry.refresh()
     series = await scrape(metrics_port)
-    assert abs(total(series, CERTIFICATE_EXPIRY, certificate=AGENT_ENDPOINT_CA) - days(old_ca.certificate_pem)) < 0.01
+    assert abs(total(series, CERTIFICATE_EXPIRY, certificate=AGENT_ENDPOINT_CA) - days(new_ca.certificate_pem)) < 0.01
 
 
-async def test_a_bundle_file_gone_is_logged_once_and_the_bundle_held_still_counts(tmp_path, caplog):
-    ca = authority("fleet CA", days=50)
+@pytest.mark.parametrize(
+    ("spoil", "problem"),
+    [
+        pytest.param(lambda bundle, _: bundle.unlink(), "No such file or directory", id="gone"),
+        pytest.param(lambda bundle, _: replace_file(bundle, b"", 0o644), "holds no PEM certificate", id="empty"),
+        pytest.param(
+            lambda bundle, pem: replace_file(bundle, pem[: len(pem) // 2], 0o644),
+            "holds a PEM certificate that does not parse",
+            id="half-written",
+        ),
+    ],
+)
+async def test_a_bad_bundle_file_is_logged_once_and_the_bundle_in_use_still_counts(tmp_path, caplog, spoil, problem):
+    ca, renewed = authority("fleet CA", days=50), authority("renewed fleet CA", days=500)
     bundle = tmp_path / "ca.pem"
     bundle.write_bytes(ca.certificate_pem)
     metrics_port = free_port()
@@ -548,12 +566,29 @@ async def test_a_bundle_file_gone_is_logged_once_and_the_bundle_held_still_count
     runtime = metrics_runtime(f"{HOST}:{metrics_port}", "worker")
     expiry = CertificateExpiry(meter_of(runtime))
     settings = Settings(agent_endpoint_ca_certificate_path=bundle)
-    watch_certificates(expiry, settings, None, load_ca_certificates(bundle), "postgresql://h/db")
-    bundle.unlink()
+    in_use = agent_ca_bundle_file(bundle)
+    watch_certificates(expiry, settings, None, in_use, "postgresql://h/db")
+    spoil(bundle, renewed.certificate_pem)
     for _ in range(3):
         expiry.refresh()
-    lines = [record.getMessage() for record in caplog.records if "to watch its expiry" in record.getMessage()]
-    assert len(lines) == 1 and str(bundle) in lines[0] and AGENT_ENDPOINT_CA in lines[0]
+    lines = [record.getMessage() for record in caplog.records if "not reloaded" in record.getMessage()]
+    assert len(lines) == 1 and str(bundle) in lines[0] and problem in lines[0], lines
+    assert lines[0].startswith("agents' CA bundle not reloaded, the one read before is used on: ")
+    assert in_use.current() == der_bundle_of(ca)
     series = await scrape(metrics_port)
     held = days_left(x509.load_pem_x509_certificate(ca.certificate_pem))
     assert abs(total(series, CERTIFICATE_EXPIRY, certificate=AGENT_ENDPOINT_CA) - held) < 0.01
+
+    # Mended: the renewed bundle is handed out and counts from the next refresh.
+    replace_file(bundle, renewed.certificate_pem, 0o644)
+    expiry.refresh()
+    assert in_use.current() == der_bundle_of(renewed)
+    series = await scrape(metrics_port)
+    held = days_left(x509.load_pem_x509_certificate(renewed.certificate_pem))
+    assert abs(total(series, CERTIFICATE_EXPIRY, certificate=AGENT_ENDPOINT_CA) - held) < 0.01
+    assert len([record for record in caplog.records if "not reloaded" in record.getMessage()]) == 1
+
+
+def der_bundle_of(issuer: CertificateAuthority) -> tuple[bytes, ...]:
+    """The DER bundle a file holding only issuer's certificate gives."""
+    return (x509.load_pem_x509_certificate(issuer.certificate_pem).public_bytes(Encoding.DER),)

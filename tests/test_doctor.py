@@ -455,6 +455,23 @@ async def test_a_missing_agent_executable_fails(installation, shepherd_cli):
     assert report.detail("agent executable") == f"{missing} does not exist (agent_executable_path)"
 
 
+def half_written_copy(executable: Path, copy: Path) -> Path:
+    whole = executable.read_bytes()
+    copy.write_bytes(whole[: len(whole) // 2])
+    copy.chmod(0o755)
+    return copy
+
+
+async def test_an_agent_executable_a_worker_would_refuse_fails(installation, shepherd_cli):
+    agent = Path(installation.env["SHEPHERD_AGENT_EXECUTABLE_PATH"])
+    half = half_written_copy(agent, installation.tmp_path / "half-written-agent")
+    report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_AGENT_EXECUTABLE_PATH": str(half)})
+    assert_only_these_fail(report, {"agent executable"})
+    detail = report.detail("agent executable")
+    assert detail.startswith(f"{half} ") and detail.endswith(" (agent_executable_path)"), detail
+    assert "cut short" in detail or "damaged" in detail, detail
+
+
 async def test_an_unreachable_provider_fails(installation, shepherd_cli):
     port = free_port()
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_SIM_API_URL": f"http://127.0.0.1:{port}"})

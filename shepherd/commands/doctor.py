@@ -40,6 +40,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import head_revision, schema_problem, schema_revision
 from bmdb.store import BMDB, BMDBUnavailable
+from foundation.executables import NotAnExecutable, read_executable
 from foundation.settings import ProviderInstance, Settings, SettingsError, parse_endpoint, redact_url
 from foundation.ssh_identity import SSHIdentityError, load_ssh_key
 from foundation.startup import (
@@ -657,6 +658,11 @@ class Doctor:
         size = path.stat().st_size
         if size == 0:
             fail(f"{path} is empty (agent_executable_path)", path=str(path), size_bytes=0)
+        try:
+            # What a worker checks before it hands the file out: a file it would refuse fails every takeover.
+            read_executable(path)
+        except NotAnExecutable as error:
+            fail(f"{error} (agent_executable_path)", path=str(path), size_bytes=size)
         shown = f"{size / 1_000_000:.1f} MB" if size >= 1_000_000 else f"{math.ceil(size / 1000)} kB"
         return ok(f"{path}, {shown}", path=str(path), size_bytes=size)
 
