@@ -39,6 +39,7 @@ class Bmc:
     username: str
     password: str
     systems: dict[str, str]  # name -> path, e.g. "probe" -> /redfish/v1/Systems/<uuid>
+    log: Path  # the emulator's output: a line for every request it was sent
 
 
 def fake_system(name: str, power_state: str) -> dict[str, object]:
@@ -56,6 +57,12 @@ def power_state(bmc: Bmc, name: str) -> str:
     answer = requests.get(bmc.url + bmc.systems[name], auth=(bmc.username, bmc.password), timeout=10)
     answer.raise_for_status()
     return str(answer.json()["PowerState"])
+
+
+def reset_requests(bmc: Bmc, name: str) -> int:
+    """How many power actions (ComputerSystem.Reset) the emulator was sent for the system, read from its log."""
+    action = f"POST {bmc.systems[name]}/Actions/ComputerSystem.Reset "
+    return bmc.log.read_text(errors="replace").count(action)
 
 
 def wait_until_answering(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
@@ -99,6 +106,7 @@ def running_bmc(directory: Path, systems: list[dict[str, object]]) -> Iterator[B
             username=USERNAME,
             password=password,
             systems={str(s["name"]): f"/redfish/v1/Systems/{s['uuid']}" for s in systems},
+            log=log_path,
         )
     finally:
         process.terminate()

@@ -64,6 +64,13 @@ def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **
     return Settings(**values).check_agent()
 
 
+def shepherd_environment(settings: Settings, bmdb_url: str) -> dict[str, str]:
+    """SHEPHERD_* variables that point a `shepherd` command at a test stack of these settings and this BMDB."""
+    from shepherd.commands.dev import settings_environment
+
+    return {**settings_environment(settings), "SHEPHERD_DATABASE_URL": bmdb_url}
+
+
 @dataclass
 class HeartbeatPath:
     """The stack's TLS heartbeat server, which a test may stop and start again on the same port (an outage)."""
@@ -95,9 +102,7 @@ class FleetStack:
 
     def environment(self, bmdb_url: str) -> dict[str, str]:
         """SHEPHERD_* variables that point a `shepherd` command at this stack."""
-        from shepherd.commands.dev import settings_environment
-
-        return {**settings_environment(self.settings), "SHEPHERD_DATABASE_URL": bmdb_url}
+        return shepherd_environment(self.settings, bmdb_url)
 
     async def run_pass(self) -> FleetPassResult:
         return await self.client.execute_workflow(

@@ -1,6 +1,8 @@
-"""restart_agent: a new agent on a healthy machine without a reboot, through the CLI on the embedded stack.
+"""restart_agent: a new agent on a healthy machine without a reboot, through the CLI on the embedded stack, and on a
+static machine behind OpenSSH's sshd with a Redfish BMC.
 
-Real parts: the simulator's SSH servers and processes, BMDB, Temporal, the reference agent and its heartbeats.
+Real parts: the simulator's SSH servers and processes, sshd, sushy-emulator, BMDB, Temporal, the reference agent and
+its heartbeats.
 """
 
 from __future__ import annotations
@@ -13,13 +15,25 @@ from temporalio.client import WorkflowUpdateFailedError
 from agent.reference import LOG_FILE
 from bmdb.store import MachineRecord
 from foundation.metrics import meter_of, metrics_runtime
-from foundation.procfs import processes_with_variable
+from foundation.procfs import processes_mentioning, processes_with_variable
 from lifecycle.contracts import RESTART_AGENT_UPDATE, MachineStage
+from lifecycle.takeover import key_fingerprint
 from simulator import Faults
-from tests.fleet_stack import FleetStack, fleet_stack
+from tests.bmc_fixtures import power_state, reset_requests
+from tests.fleet_stack import FleetStack, fleet_stack, shepherd_environment
+from tests.processes import kill_processes_mentioning
+from tests.sshd_fixtures import sshd_fixture  # noqa: F401 (a pytest fixture, used as `sshd`)
 from tests.test_fleet import sim_admin
 from tests.test_observability import free_port, scrape, total
 from tests.test_recovery import WATCH, _stage_is, wait_for
+from tests.test_static_machines import (
+    LAB,
+    bmc_lines,
+    inventory_entry,
+    lab_bmc_fixture,  # noqa: F401 (a pytest fixture, used as `lab_bmc`)
+    lab_stack,
+    secret_file,
+)
 
 RESTARTED = "agent restart asked (agent 2.1): a new agent takes over without a reboot, the old one stops"
 
@@ -129,6 +143,63 @@ async def test_a_watching_machine_gets_a_new_agent_without_a_reboot(
 
 async def _gone(stack: FleetStack, provider_id: str, pids: set[int]) -> bool:
     return not pids & agent_processes(stack, provider_id)
+
+
+async def test_a_static_machine_behind_sshd_gets_a_new_agent_without_a_reboot(
+    tmp_path, temporal_client, bmdb_url, bmdb, sshd, lab_bmc, shepherd_cli
+):
+    password = secret_file(tmp_path / "bmc-password", lab_bmc.password)
+    inventory = inventory_entry("lab-01", sshd, bmc_lines(lab_bmc, lab_bmc.systems["lab-01"], password))
+    # The machine is this host, seen through sshd: its agents are the processes running the uploaded executable.
+    agent_path = str(tmp_path / "machine" / "agent")
+    async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, {LAB: inventory}) as stack:
+        try:
+            await stack.run_pass(LAB)
+            await stack.wait_for(LAB, "lab-01", lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+            first = await wait_for(lambda: heartbeating(bmdb, "lab-01"), what="the first agent's heartbeats")
+            first_agents = set(processes_mentioning(agent_path))
+            assert first_agents, "the first agent runs on the machine"
+            resets_before = reset_requests(lab_bmc, "lab-01")
+
+            code, out, err = await shepherd_cli(
+                shepherd_environment(stack.settings, bmdb_url),
+                "restart-agent",
+                "lab-01",
+                "--reason",
+                "agent 2.1",
+                "--by",
+                "alice",
+            )
+            assert (code, err) == (0, "")
+            assert out == f"machine-{LAB}-lab-01: {RESTARTED}\n"
+
+            # The new agent's key is in BMDB and its heartbeats are accepted; the workflow watches it.
+            second = await wait_for(
+                lambda: heartbeating(bmdb, "lab-01", other_than=first.agent_public_key), what="the new agent's beat"
+            )
+            status = await stack.wait_for(LAB, "lab-01", lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+            assert status.agent is not None and second.agent_public_key is not None
+            assert status.agent.key_fingerprint == key_fingerprint(second.agent_public_key)
+            # The first agent saw the new key beside the executable and stopped; nothing killed it.
+            await wait_for(lambda: _none_left(first_agents, agent_path), what="the first agent's exit", limit=30)
+            assert set(processes_mentioning(agent_path)) - first_agents, "the new agent runs"
+            agent_log = (tmp_path / "machine" / LOG_FILE).read_text()
+            assert "stopped: a newer agent has taken over this machine" in agent_log
+            # Not rebooted: the BMC was sent no power action, no recovery was counted, none is in BMDB.
+            assert reset_requests(lab_bmc, "lab-01") == resets_before == 0
+            assert power_state(lab_bmc, "lab-01") == "On"
+            assert (status.recovery_count, status.last_recovery_reason, status.recent_recoveries) == (0, None, [])
+            assert [(a.action, a.by, a.reason) for a in status.actions] == [("restart_agent", "alice", "agent 2.1")]
+            story = [e.kind for e in reversed(await bmdb.list_events(first.machine_id))]
+            assert story[-3:] == ["agent_started", "agent_restart_asked", "agent_started"], story
+            assert "rebooted" not in story
+        finally:
+            # The new agent detached from its SSH session and would go on calling a heartbeat server now gone.
+            kill_processes_mentioning(agent_path)
+
+
+async def _none_left(pids: set[int], agent_path: str) -> bool:
+    return not pids & set(processes_mentioning(agent_path))
 
 
 async def test_restart_agent_is_refused_where_no_takeover_may_run_and_needs_none_while_one_is_under_way(

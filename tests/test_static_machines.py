@@ -49,8 +49,8 @@ HASTY = "hasty"
 SYSTEMS = ("lab-01", "bad-pw", "no-system", "never-back")
 
 
-@pytest.fixture(scope="module")
-def lab_bmc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
+@pytest.fixture(scope="module", name="lab_bmc")
+def lab_bmc_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bmc]:
     with running_bmc(tmp_path_factory.mktemp("lab-bmc"), [fake_system(name, "On") for name in SYSTEMS]) as bmc:
         yield bmc
 
