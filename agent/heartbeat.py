@@ -15,7 +15,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from proto import AGENT_MAX_RETRY_INTERVAL, SERVER_TIME_METADATA, agent_api_pb2
+from proto import AGENT_MAX_RETRY_INTERVAL, SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload
 
 # Never retry sooner than this, whatever the jitter draws.
@@ -29,6 +29,10 @@ ANSWER_TIMEOUT = 10.0
 # long, then the stream is tried again: an upgraded server is used within the hour without restarting the agent,
 # and an old one costs one refused stream an agent an hour.
 STREAM_RETRY_AFTER = 3600.0
+# After a server refused a stream for its cap on streams, the unary call is used for about this long (drawn
+# between half of it and all of it, so the refused agents do not come back in step), then the stream is tried
+# again: a stream freed meanwhile is taken up, and a server still full costs one refusal an agent a while.
+STREAM_REFUSED_RETRY_AFTER = 600.0
 Outcome = agent_api_pb2.HeartbeatResponse.Outcome
 
 
@@ -41,7 +45,12 @@ class HeartbeatFailed(Exception):
 
 
 class StreamUnavailable(Exception):
-    """The server has no Heartbeats stream (an older Shepherd): the unary call is used instead."""
+    """No Heartbeats stream to be had: the server has none (an older Shepherd), or holds as many as it takes; the
+    unary call is used instead."""
+
+    def __init__(self, why: str, *, full: bool) -> None:
+        super().__init__(why)
+        self.full = full
 
 
 class HeartbeatStream:
@@ -72,7 +81,9 @@ class HeartbeatStream:
         except grpc.RpcError as error:
             code = error.code()
             if code is grpc.StatusCode.UNIMPLEMENTED:
-                raise StreamUnavailable(error.details()) from None
+                raise StreamUnavailable(error.details(), full=False) from None
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _says_streams_are_full(error):
+                raise StreamUnavailable(error.details(), full=True) from None
             if self._timed_out:
                 raise HeartbeatFailed("DEADLINE_EXCEEDED", f"no answer within {ANSWER_TIMEOUT:.0f}s") from None
             raise HeartbeatFailed(code.name, error.details()) from None
@@ -210,12 +221,20 @@ class HeartbeatLoop:
                             stream = HeartbeatStream(channel)
                         response = stream.exchange(request)
                         refused_as = _outcome_name(response.outcome)
-                except StreamUnavailable:
+                except StreamUnavailable as unavailable:
                     assert stream is not None
                     stream.close()
                     stream = None
-                    unary_until = time.monotonic() + STREAM_RETRY_AFTER
-                    self.log("the heartbeat server has no heartbeat stream (an older Shepherd): using unary calls")
+                    if unavailable.full:
+                        using_unary = self.rng.uniform(STREAM_REFUSED_RETRY_AFTER / 2, STREAM_REFUSED_RETRY_AFTER)
+                        self.log(
+                            f"the heartbeat server refused a heartbeat stream ({unavailable}): using unary calls "
+                            f"for {using_unary:.0f}s"
+                        )
+                    else:
+                        using_unary = STREAM_RETRY_AFTER
+                        self.log("the heartbeat server has no heartbeat stream (an older Shepherd): using unary calls")
+                    unary_until = time.monotonic() + using_unary
                     continue
                 except HeartbeatFailed as failure:
                     if stream is not None:
@@ -268,6 +287,15 @@ class HeartbeatLoop:
             x509.load_der_x509_certificate(der).public_bytes(Encoding.PEM) for der in self.ca_certificates_der
         )
         return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+def _says_streams_are_full(error: Any) -> bool:
+    """Whether a refused stream's trailing metadata says the server's cap on streams refused it."""
+    try:
+        trailing = error.trailing_metadata() or ()
+    except Exception:
+        return False
+    return any(key == STREAM_REFUSED_METADATA for key, _ in trailing)
 
 
 def _unary_exchange(

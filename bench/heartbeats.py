@@ -17,7 +17,8 @@ server       the real heartbeat server (TLS unless --plaintext), its agent keys
              apart from the load's.
 
 Then it times refusals one at a time: a wrong key on a real id against an
-unknown id, which must not be told apart; and what an idle fleet costs a server
+unknown id, which must not be told apart, as unary calls and as messages of
+one stream, the two taking turns; and what an idle fleet costs a server
 process in memory, for each count of --idle-agents, each case against a fresh
 `shepherd heartbeat-server` with the keys loaded, its resident memory read from
 /proc before and while another process holds the agents idle:
@@ -200,8 +201,13 @@ def signature_costs() -> tuple[float, float]:
     )
 
 
-async def refusal_timing(heartbeat: Heartbeat, machine_ids: list[str], samples: int) -> None:
-    """What a prober with a clock sees: the time to refuse a wrong key on a real id, against an unknown id."""
+# How a refusal is asked for and timed: a request in, the seconds its refusal took out.
+Refuse = Callable[[agent_api_pb2.HeartbeatRequest], Awaitable[float]]
+
+
+async def refusal_timing(stub: agent_api_pb2_grpc.AgentCallbackStub, machine_ids: list[str], samples: int) -> None:
+    """What a prober with a clock sees: the time to refuse a wrong key on a real id, against an unknown id, as unary
+    calls and as the messages of one stream."""
     wrong_key = Ed25519PrivateKey.generate()
     strangers = [str(uuid.uuid4()) for _ in range(10)]
     kinds: dict[str, Callable[[int], agent_api_pb2.HeartbeatRequest]] = {
@@ -209,21 +215,34 @@ async def refusal_timing(heartbeat: Heartbeat, machine_ids: list[str], samples: 
         "an unknown id, asked before": lambda n: signed_heartbeat(strangers[n % len(strangers)], wrong_key),
         "an unknown id, new": lambda n: signed_heartbeat(str(uuid.uuid4()), wrong_key),
     }
-    for stranger in strangers:  # each is then an id the server knows to have no agent
-        await refused(heartbeat, signed_heartbeat(stranger, wrong_key))
-    durations: dict[str, list[float]] = {kind: [] for kind in kinds}
-    # One at a time, the kinds taking turns: each sees the same server, unloaded, as a careful prober would.
-    for n in range(samples):
-        for kind, request in kinds.items():
-            durations[kind].append(await refused(heartbeat, request(n)))
-    baseline = statistics.median(durations["a real id, wrong key"])
-    print(f"refusal time, {samples:,} of each kind one at a time (median, its ratio to a wrong key on a real id;")
-    print("  10th and 90th percentiles):")
-    for kind, times in durations.items():
-        median = statistics.median(times)
-        deciles = statistics.quantiles(times, n=10)
-        spread = f"{deciles[0] * 1e6:,.0f}-{deciles[-1] * 1e6:,.0f} µs"
-        print(f"  {kind:28} {median * 1e6:7,.0f} µs  {median / baseline:.2f}   {spread}")
+    stream = stub.Heartbeats()
+    calls: dict[str, Refuse] = {
+        "unary calls": lambda request: refused(stub.Heartbeat, request),
+        "messages of one stream": lambda request: refused_on_stream(stream, request),
+    }
+    try:
+        for stranger in strangers:  # each is then an id the server knows to have no agent
+            await calls["unary calls"](signed_heartbeat(stranger, wrong_key))
+        durations: dict[tuple[str, str], list[float]] = {(call, kind): [] for call in calls for kind in kinds}
+        # One at a time, the kinds and the calls taking turns: each sees the same server, unloaded, as a careful
+        # prober would.
+        for n in range(samples):
+            for call, refuse in calls.items():
+                for kind, request in kinds.items():
+                    durations[call, kind].append(await refuse(request(n)))
+    finally:
+        stream.cancel()
+    print(f"refusal time, {samples:,} of each kind and call one at a time (median, its ratio to a wrong key on a real")
+    print("  id on the same call; 10th and 90th percentiles):")
+    for call in calls:
+        print(f"  {call}:")
+        baseline = statistics.median(durations[call, "a real id, wrong key"])
+        for kind in kinds:
+            times = durations[call, kind]
+            median = statistics.median(times)
+            deciles = statistics.quantiles(times, n=10)
+            spread = f"{deciles[0] * 1e6:,.0f}-{deciles[-1] * 1e6:,.0f} µs"
+            print(f"    {kind:28} {median * 1e6:7,.0f} µs  {median / baseline:.2f}   {spread}")
 
 
 async def refused(heartbeat: Heartbeat, request: agent_api_pb2.HeartbeatRequest) -> float:
@@ -238,13 +257,32 @@ async def refused(heartbeat: Heartbeat, request: agent_api_pb2.HeartbeatRequest)
     raise SystemExit("a heartbeat that should have been refused was accepted")
 
 
+async def refused_on_stream(stream: grpc.aio.StreamStreamCall, request: agent_api_pb2.HeartbeatRequest) -> float:
+    """The time from sending a message on the stream to reading its answer, which must be NOT_ACCEPTED."""
+    start = time.perf_counter()
+    await stream.write(request)
+    answer = await asyncio.wait_for(stream.read(), CALL_TIMEOUT)
+    elapsed = time.perf_counter() - start
+    if answer is grpc.aio.EOF:
+        raise SystemExit(f"the stream whose refusals were timed ended: {await stream.code()}")
+    assert isinstance(answer, agent_api_pb2.HeartbeatResponse)
+    if answer.outcome != agent_api_pb2.HeartbeatResponse.Outcome.NOT_ACCEPTED:
+        outcome = agent_api_pb2.HeartbeatResponse.Outcome.Name(answer.outcome)
+        raise SystemExit(f"a refusal timed on the stream was {outcome}, not NOT_ACCEPTED: {answer.message}")
+    return elapsed
+
+
 class InProcessServer:
     """The heartbeat server in this process, as one `shepherd heartbeat-server` process runs it."""
 
     def __init__(self, url: str) -> None:
         self.bmdb = BMDB(url)
+        # Every agent of the load connects from this host's one address: no cap on streams an address.
         self.service = HeartbeatService(
-            self.bmdb, interval=DEFAULTS.heartbeat_interval, max_skew=DEFAULTS.heartbeat_max_skew
+            self.bmdb,
+            interval=DEFAULTS.heartbeat_interval,
+            max_skew=DEFAULTS.heartbeat_max_skew,
+            max_streams_per_address=0,
         )
         self.server: grpc.aio.Server | None = None
         # Statements and heartbeats written before the load being reported.
@@ -301,7 +339,9 @@ class ServerProcesses:
             "SHEPHERD_DATABASE_URL": self.url,
             "SHEPHERD_STATE_DIR": str(self.tmp / "state"),
             "SHEPHERD_METRICS_LISTEN": "",
-            "SHEPHERD_HEARTBEAT_PEER_RATE": "0",  # one address sends everything here
+            # One address sends everything here, and holds every idle agent's stream.
+            "SHEPHERD_HEARTBEAT_PEER_RATE": "0",
+            "SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "0",
         }
         if tls is None:
             env["SHEPHERD_HEARTBEAT_PLAINTEXT"] = "true"
@@ -396,8 +436,8 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
             clean = clean and not seen.rejected
         channel = open_channel(target, ca_certificate)
         try:
-            calls = agent_api_pb2_grpc.AgentCallbackStub(channel).Heartbeat
-            await refusal_timing(calls, [str(machine) for machine, _ in agents[:1000]], args.refusals)
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            await refusal_timing(stub, [str(machine) for machine, _ in agents[:1000]], args.refusals)
         finally:
             await channel.close()
     finally:

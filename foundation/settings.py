@@ -192,6 +192,11 @@ class Settings:
     heartbeat_max_streams: int = _setting(
         200_000, "Heartbeat streams one server process keeps open at once (an agent keeps one open)"
     )
+    heartbeat_max_streams_per_address: int = _setting(
+        5_000,
+        "Heartbeat streams one server process keeps open at once from one address, so one host cannot take them all "
+        "(0: no limit; behind a proxy that hides the agents' addresses)",
+    )
     heartbeat_processes: int = _setting(
         1, "Heartbeat server processes sharing its port, for hosts with more cores; process i serves /metrics on port+i"
     )
@@ -292,6 +297,7 @@ class Settings:
             ("recovery_budget", 1),
             ("heartbeat_peer_rate", 0),
             ("heartbeat_max_streams", 1),
+            ("heartbeat_max_streams_per_address", 0),
             ("heartbeat_processes", 1),
         ):
             if getattr(self, name) < low:

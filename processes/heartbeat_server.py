@@ -55,7 +55,7 @@ from foundation.precise_sleep import precise_sleep
 from foundation.settings import Settings, SettingsError, check_listen_address
 from foundation.startup import StartupError
 from foundation.tls import CertificateProblem, NotValidYet, load_key_pair, read_pem
-from proto import SERVER_TIME_METADATA, agent_api_pb2
+from proto import SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE, signing_payload
 
 log = logging.getLogger("shepherd.heartbeat")
@@ -67,9 +67,21 @@ SERVICE = "shepherd.agent.v1.AgentCallback"
 MAX_REQUEST_SIZE = 1024
 NOT_ACCEPTED = "heartbeat not accepted: unknown machine, or not signed by its agent's key"
 BUSY = "the heartbeat server is handling as many heartbeats as it takes at once; try again"
-TOO_MANY_STREAMS = "the heartbeat server has as many streams open as it takes; try again later"
+TOO_MANY_STREAMS = (
+    "the heartbeat server has as many heartbeat streams open as it takes (setting heartbeat_max_streams): "
+    "send unary Heartbeat calls, and try a stream again later"
+)
 STOPPING = "the heartbeat server is stopping; connect again"
+# Tells the agent that its unary call is still welcome (proto.STREAM_REFUSED_METADATA).
+STREAMS_FULL_TRAILER = ((STREAM_REFUSED_METADATA, "full"),)
 TOO_MANY_STREAMS_LOG = "a heartbeat stream refused: %d streams are open (setting heartbeat_max_streams)"
+TOO_MANY_STREAMS_FROM_ADDRESS = (
+    "this address has {cap:,} heartbeat streams open, the most one address may"
+    " (setting heartbeat_max_streams_per_address): send unary Heartbeat calls, and try a stream again later"
+)
+TOO_MANY_STREAMS_FROM_ADDRESS_LOG = (
+    "a heartbeat stream from %s refused: it has %d streams open (setting heartbeat_max_streams_per_address)"
+)
 # Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
 KEY_CACHE_SIZE = 100_000
 # Machines whose clock skew was logged, remembered so each is logged once.
@@ -82,8 +94,12 @@ PEERS_TRACKED = 10_000
 # RESOURCE_EXHAUSTED on the unary call, and the agent backs off and retries.
 MAX_IN_FLIGHT = 2_000
 # Streams open at once: an agent keeps one open, so this is sized for a fleet (SHEPHERD_HEARTBEAT_MAX_STREAMS);
-# beyond it a new stream is refused with RESOURCE_EXHAUSTED and its agent retries later.
+# beyond it a new stream is refused with RESOURCE_EXHAUSTED, and its agent sends unary calls for a while.
 MAX_STREAMS = 200_000
+# Streams open at once from one address (IP, whatever the port; SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS), so one
+# host cannot take the whole of MAX_STREAMS from the fleet: an agent is one a machine, and this leaves room for a
+# site of machines behind one NAT address, each with a second stream for a while after a reboot. 0: no such cap.
+MAX_STREAMS_PER_ADDRESS = 5_000
 # The back-off a RETRY_LATER asks for, drawn between half of it and all of it so refused agents do not come
 # back in step.
 RETRY_LATER_MS = 5_000
@@ -160,6 +176,7 @@ class HeartbeatService:
         sleep: Callable[[float], Awaitable[None]] = precise_sleep,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_streams: int = MAX_STREAMS,
+        max_streams_per_address: int = MAX_STREAMS_PER_ADDRESS,
     ) -> None:
         self.bmdb = bmdb
         self.batcher = HeartbeatBatcher(bmdb)
@@ -183,9 +200,14 @@ class HeartbeatService:
         self.max_skew_ms = int(max_skew * 1000)
         self.clock = clock
         self.max_in_flight, self.max_streams = max_in_flight, max_streams
+        self.max_streams_per_address = max_streams_per_address
+        self._too_many_streams_from_address = TOO_MANY_STREAMS_FROM_ADDRESS.format(cap=max_streams_per_address)
         # Heartbeats being checked or recorded now, over both calls, and the streams open now.
         self.in_flight = 0
         self.streams = 0
+        # Address -> its streams open now; an address is dropped with its last stream, so this holds only
+        # addresses with a stream open and needs no bound of its own.
+        self.streams_by_address: dict[str, int] = {}
         # The stream handlers waiting for their next heartbeat, and whether the streams are being ended.
         self._reading: set[asyncio.Task[object]] = set()
         self._ending_streams = False
@@ -238,16 +260,29 @@ class HeartbeatService:
     async def stream(self, requests: object, context: grpc.aio.ServicerContext) -> None:
         """The Heartbeats stream: each heartbeat answered with its outcome before the next is read, so the
         checks, and the time a refusal takes, are those of a unary call a message."""
+        peer = context.peer() or "unknown"
+        host = _host_of(peer)
         if self.streams >= self.max_streams:
             self._count("too_many_streams", "stream")
             self._log_now_and_then(logging.WARNING, "too_many_streams", TOO_MANY_STREAMS_LOG, self.max_streams)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, TOO_MANY_STREAMS)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, TOO_MANY_STREAMS, STREAMS_FULL_TRAILER)
+        from_address = self.streams_by_address.get(host, 0)
+        if self.max_streams_per_address and from_address >= self.max_streams_per_address:
+            self._count("too_many_streams_from_address", "stream")
+            self._log_now_and_then(
+                logging.WARNING, "too_many_streams_from_address", TOO_MANY_STREAMS_FROM_ADDRESS_LOG, host, from_address
+            )
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_many_streams_from_address, STREAMS_FULL_TRAILER
+            )
+        # Counted up here and down in the finally below, with no await between the checks and the counting: however
+        # the stream ends (the agent closes or cancels it, its connection drops, the server stops, a fault of ours),
+        # its address's count goes down with it.
         self.streams += 1
+        self.streams_by_address[host] = from_address + 1
         task = asyncio.current_task()
         assert task is not None
         try:
-            peer = context.peer() or "unknown"
-            host = _host_of(peer)
             while not self._ending_streams:
                 # Only a stream waiting for its next heartbeat is ended at shutdown, never one with a heartbeat
                 # being recorded: its agent hears every outcome.
@@ -271,6 +306,11 @@ class HeartbeatService:
             context.set_details(STOPPING)
         finally:
             self.streams -= 1
+            left = self.streams_by_address[host] - 1
+            if left:
+                self.streams_by_address[host] = left
+            else:
+                del self.streams_by_address[host]
 
     def end_streams(self) -> None:
         """Close every stream with UNAVAILABLE once its heartbeat in flight, if any, is answered: at shutdown, so
@@ -775,6 +815,8 @@ async def run_heartbeat_server(
         peer_rate=settings.heartbeat_peer_rate,
         peer_burst=2 * settings.heartbeat_peer_rate,
         max_streams=settings.heartbeat_max_streams,
+        # Keyed by address as peer_rate is: behind a proxy that hides the agents' addresses, 0 turns it off.
+        max_streams_per_address=settings.heartbeat_max_streams_per_address,
     )
     try:
         server, _ = build_server(service, settings.heartbeat_listen, tls, share_port=share_port)

@@ -13,6 +13,11 @@ AGENT_MAX_RETRY_INTERVAL = 300.0
 # whose clock is off can send its heartbeats in the server's time.
 SERVER_TIME_METADATA = "shepherd-server-time-ms"
 
+# The trailing metadata of a Heartbeats stream refused because the server holds as many streams as it takes (from
+# everywhere, or from the agent's address): the agent sends unary calls for a while instead, so a cap on streams
+# costs a fleet its streams, never its heartbeats.
+STREAM_REFUSED_METADATA = "shepherd-stream-refused"
+
 # Run with this argument (and nothing on standard input), the agent executable stops the agent that runs on the
 # machine, and answers a line that begins with AGENT_STOPPED on its standard output.
 AGENT_STOP_ARGUMENT = "--stop"

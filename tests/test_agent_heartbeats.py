@@ -19,7 +19,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.build import build_agent_executable
-from agent.heartbeat import MIN_RETRY_DELAY, STREAM_RETRY_AFTER, HeartbeatLoop, retry_delay
+from agent.heartbeat import (
+    MIN_RETRY_DELAY,
+    STREAM_REFUSED_RETRY_AFTER,
+    STREAM_RETRY_AFTER,
+    HeartbeatLoop,
+    retry_delay,
+)
 from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
 from foundation.procfs import processes_with_variable
@@ -360,3 +366,55 @@ async def test_an_agent_told_to_retry_later_on_its_stream_backs_off_as_the_serve
     assert all(2.5 <= wait <= 5.0 for wait in waits), waits
     assert lines[0].startswith("heartbeat failed 1 time(s) (RETRY_LATER: the heartbeat server is handling")
     assert service.calls == {"stream": 2} and service.streams == 0
+
+
+@pytest.mark.parametrize("cap", ["global", "per address"])
+async def test_an_agent_refused_a_stream_by_a_cap_sends_unary_calls_meanwhile_and_tries_a_stream_later(
+    tmp_path, bmdb, cap: str
+):
+    machine_id, key = await machine_with_agent_key(bmdb)
+    if cap == "global":
+        service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0, max_streams=0)
+    else:
+        service = HeartbeatService(bmdb, interval=0.2, max_skew=60.0, max_streams_per_address=1)
+    server, port = await start_server(bmdb, tmp_path, service=service)
+    credentials = grpc.ssl_channel_credentials(local_certificates(tmp_path / "tls").ca_certificate.read_bytes())
+    # Another agent of the same address holds the one stream it may have.
+    neighbour = grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
+    held = neighbour.stream_stream(f"/{SERVICE}/Heartbeats")()
+    lines: list[str] = []
+    waits: list[float] = []
+    loop = HeartbeatLoop(
+        str(machine_id), key, f"127.0.0.1:{port}", [ca_of(tmp_path)], log=lines.append, sleep=sleeps_until(3, waits)
+    )
+    try:
+        if cap == "per address":
+            for _ in range(100):
+                if service.streams == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert service.streams == 1, "the neighbour's stream is open"
+        clock = time.monotonic()
+        with pytest.raises(Enough):
+            await asyncio.to_thread(loop.run)
+        assert time.monotonic() - clock < STREAM_REFUSED_RETRY_AFTER / 2
+    finally:
+        held.cancel()
+        await neighbour.close()
+        await server.stop(None)
+    [refused] = lines
+    assert refused.startswith("the heartbeat server refused a heartbeat stream (")
+    assert "setting heartbeat_max_streams" in refused and "using unary calls for " in refused
+    assert STREAM_REFUSED_RETRY_AFTER / 2 <= float(refused.rsplit(" ", 1)[1].rstrip("s")) <= STREAM_REFUSED_RETRY_AFTER
+    # The heartbeats went on at once, on the unary call: none failed, none waited a back-off.
+    assert waits == [0.2, 0.2, 0.2]
+    assert service.calls["unary"] == 3 and service.results["accepted"] == 3
+    # The agent's stream was refused once (and, at the global cap, its neighbour's too).
+    if cap == "global":
+        assert service.results["too_many_streams"] == 2
+    else:
+        assert service.results["too_many_streams_from_address"] == 1
+
+
+def test_an_agent_refused_a_stream_by_a_cap_tries_a_stream_again_after_a_while():
+    assert 60 <= STREAM_REFUSED_RETRY_AFTER <= STREAM_RETRY_AFTER

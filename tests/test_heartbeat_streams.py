@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,9 +19,18 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
+from foundation.settings import Settings
 from foundation.tls import local_certificates
-from processes.heartbeat_server import NOT_ACCEPTED, SERVICE, STOPPING, HeartbeatService, build_server
-from proto import agent_api_pb2, agent_api_pb2_grpc
+from processes.heartbeat_server import (
+    NOT_ACCEPTED,
+    SERVICE,
+    STOPPING,
+    TOO_MANY_STREAMS,
+    HeartbeatService,
+    build_server,
+    run_heartbeat_server,
+)
+from proto import STREAM_REFUSED_METADATA, agent_api_pb2, agent_api_pb2_grpc
 
 Outcome = agent_api_pb2.HeartbeatResponse.Outcome
 Request = agent_api_pb2.HeartbeatRequest
@@ -40,6 +51,9 @@ class Served:
     channel: grpc.aio.Channel
     stub: agent_api_pb2_grpc.AgentCallbackStub
     service: HeartbeatService
+    server: grpc.aio.Server
+    port: int
+    credentials: grpc.ChannelCredentials
 
 
 async def started_agents(bmdb: BMDB, count: int) -> list[Agent]:
@@ -66,7 +80,7 @@ def serve(bmdb: BMDB, tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncC
         credentials = grpc.ssl_channel_credentials(root_certificates=certificates.ca_certificate.read_bytes())
         channel = grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
         try:
-            yield Served(channel, agent_api_pb2_grpc.AgentCallbackStub(channel), service)
+            yield Served(channel, agent_api_pb2_grpc.AgentCallbackStub(channel), service, server, port, credentials)
         finally:
             await channel.close()
             await server.stop(None)
@@ -286,3 +300,252 @@ async def test_at_shutdown_the_streams_are_closed_as_unavailable_so_the_agents_c
         await stream.read()
     assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.UNAVAILABLE, STOPPING)
     assert endpoint.service.streams == 0
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 whose connections reach the server from another loopback address: the server sees
+    that address as the peer, as it would a second host's (gRPC cannot choose a client's source address)."""
+
+    def __init__(self, source: str, server_port: int) -> None:
+        self.source, self.server_port = source, server_port
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def listening(self) -> AsyncIterator[int]:
+        relay = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        try:
+            yield relay.sockets[0].getsockname()[1]
+        finally:
+            self.drop()
+            relay.close()
+            for pipe in list(self._pipes):
+                pipe.cancel()
+
+    def drop(self) -> None:
+        """Cut every connection without a goodbye, as a machine that loses power or its network does."""
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _connect(self, agent_reader: asyncio.StreamReader, agent_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(
+            "127.0.0.1", self.server_port, local_addr=(self.source, 0)
+        )
+        self._writers += [agent_writer, server_writer]
+        for reader, writer in ((agent_reader, server_writer), (server_reader, agent_writer)):
+            pipe = asyncio.create_task(self._pipe(reader, writer))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def connected_from(
+    served: Served, source: str
+) -> AsyncIterator[tuple[agent_api_pb2_grpc.AgentCallbackStub, Relay]]:
+    """A stub whose calls reach the server from the loopback address `source`, and the relay they go through."""
+    relay = Relay(source, served.port)
+    async with relay.listening() as port, grpc.aio.secure_channel(f"127.0.0.1:{port}", served.credentials) as channel:
+        yield agent_api_pb2_grpc.AgentCallbackStub(channel), relay
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait, briefly, for the server to catch up with what the client saw."""
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not so within 2 s: {what}")
+
+
+async def refusal_of(stream: grpc.aio.StreamStreamCall, request: Request) -> grpc.aio.AioRpcError:
+    await stream.write(request)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    return caught.value
+
+
+async def test_streams_from_one_address_beyond_its_cap_are_refused_and_other_addresses_still_get_in(
+    serve, bmdb, caplog
+):
+    agents = await started_agents(bmdb, 6)
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, max_streams_per_address=2)
+    caplog.set_level(logging.WARNING, logger="shepherd.heartbeat")
+    async with serve(service) as served, connected_from(served, "127.0.0.2") as (neighbour, _):
+        first, second = served.stub.Heartbeats(), served.stub.Heartbeats()
+        for stream, agent in ((first, agents[0]), (second, agents[1])):
+            assert (await exchange(stream, agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        refusals = [await refusal_of(served.stub.Heartbeats(), agents[2].heartbeat(now_ms())) for _ in range(2)]
+        for refusal in refusals:
+            assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refusal.details() == (
+                "this address has 2 heartbeat streams open, the most one address may"
+                " (setting heartbeat_max_streams_per_address): send unary Heartbeat calls, and try a stream again later"
+            )
+            # What tells the agent to send unary calls meanwhile rather than back off.
+            assert (STREAM_REFUSED_METADATA, "full") in tuple(refusal.trailing_metadata() or ())
+        # Another address has a cap of its own, untouched by the first's.
+        theirs = [neighbour.Heartbeats(), neighbour.Heartbeats()]
+        for stream, agent in zip(theirs, agents[3:5], strict=True):
+            assert (await exchange(stream, agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        assert served.service.streams_by_address == {"127.0.0.1": 2, "127.0.0.2": 2}
+        # Unary calls are not streams: they still get in.
+        await served.stub.Heartbeat(agents[2].heartbeat(now_ms()))
+        # Once one of its streams closes, the address may open another.
+        await first.done_writing()
+        assert await first.read() is grpc.aio.EOF
+        await until(lambda: served.service.streams_by_address["127.0.0.1"] == 1, "the closed stream uncounted")
+        third = served.stub.Heartbeats()
+        assert (await exchange(third, agents[5].heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        assert served.service.streams_by_address == {"127.0.0.1": 2, "127.0.0.2": 2}
+    assert service.results["too_many_streams_from_address"] == 2
+    assert "too_many_streams" not in service.results
+    # Logged as the global cap's refusal is: once, then not again within REJECTION_LOG_EVERY.
+    logged = [r.getMessage() for r in caplog.records if "heartbeat_max_streams_per_address" in r.getMessage()]
+    assert logged == [
+        "a heartbeat stream from 127.0.0.1 refused: it has 2 streams open (setting heartbeat_max_streams_per_address)"
+    ]
+
+
+async def test_a_cap_of_zero_leaves_an_address_only_the_global_cap(serve, bmdb):
+    agents = await started_agents(bmdb, 4)
+    service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, max_streams=3, max_streams_per_address=0)
+    async with serve(service) as served:
+        streams = [served.stub.Heartbeats() for _ in range(3)]
+        for stream, agent in zip(streams, agents[:3], strict=True):
+            assert (await exchange(stream, agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        refusal = await refusal_of(served.stub.Heartbeats(), agents[3].heartbeat(now_ms()))
+        assert (refusal.code(), refusal.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, TOO_MANY_STREAMS)
+        assert (STREAM_REFUSED_METADATA, "full") in tuple(refusal.trailing_metadata() or ())
+    assert service.results["too_many_streams"] == 1
+
+
+class Controlled(HeartbeatService):
+    """A service whose next heartbeat can be made to fail (a fault of ours) or to wait (being recorded)."""
+
+    fault = False
+    holding: asyncio.Event | None = None
+
+    async def verify_and_record(self, request_bytes: bytes) -> None:
+        if self.fault:
+            raise RuntimeError("a fault in the heartbeat server")
+        if self.holding is not None:
+            await self.holding.wait()
+        await super().verify_and_record(request_bytes)
+
+
+async def agent_closes(served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent) -> None:
+    await stream.done_writing()
+    assert await stream.read() is grpc.aio.EOF
+
+
+async def agent_cancels(served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent) -> None:
+    stream.cancel()
+
+
+async def connection_drops(served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent) -> None:
+    relay.drop()
+
+
+async def message_too_large(served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent) -> None:
+    refusal = await refusal_of(stream, Request(machine_id="x" * 5000))
+    assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def fault_of_ours(served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent) -> None:
+    assert isinstance(served.service, Controlled)
+    served.service.fault = True
+    refusal = await refusal_of(stream, agent.heartbeat(now_ms()))
+    assert refusal.code() == grpc.StatusCode.UNKNOWN
+    served.service.fault = False
+
+
+async def server_ends_streams(served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent) -> None:
+    served.service.end_streams()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def server_stops_mid_heartbeat(
+    served: Served, stream: grpc.aio.StreamStreamCall, relay: Relay, agent: Agent
+) -> None:
+    """The server stopped with no grace while a heartbeat is being recorded: its handler is cancelled there."""
+    assert isinstance(served.service, Controlled)
+    served.service.holding = asyncio.Event()
+    await stream.write(agent.heartbeat(now_ms()))
+    await until(lambda: served.service.in_flight == 1, "the heartbeat being recorded")
+    await served.server.stop(None)
+
+
+ENDINGS = {
+    "the agent closes it": agent_closes,
+    "the agent cancels it": agent_cancels,
+    "its connection drops": connection_drops,
+    "a message too large": message_too_large,
+    "a fault of ours": fault_of_ours,
+    "the server ends the streams": server_ends_streams,
+    "the server stops mid-heartbeat": server_stops_mid_heartbeat,
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+async def test_an_address_gets_its_streams_back_however_they_end(serve, bmdb, ending):
+    agents = await started_agents(bmdb, 3)
+    service = Controlled(bmdb, interval=30.0, max_skew=60.0, max_streams_per_address=1)
+    async with serve(service) as served, connected_from(served, "127.0.0.2") as (stub, relay):
+        stream = stub.Heartbeats()
+        assert (await exchange(stream, agents[0].heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+        assert service.streams_by_address == {"127.0.0.2": 1}
+        await ENDINGS[ending](served, stream, relay, agents[0])
+        await until(lambda: service.streams == 0, "the stream ended on the server")
+        assert service.streams_by_address == {}
+        if ending.startswith("the server"):
+            return
+        # The address may open its one stream again; had the count leaked, it would be refused.
+        async with connected_from(served, "127.0.0.2") as (again, _):
+            stream = again.Heartbeats()
+            assert (await exchange(stream, agents[1].heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+            assert service.streams_by_address == {"127.0.0.2": 1}
+            await stream.done_writing()
+    assert "too_many_streams_from_address" not in service.results
+
+
+async def test_the_per_address_cap_comes_from_its_setting_and_its_refusals_are_counted(bmdb, bmdb_url, caplog):
+    (agent,) = await started_agents(bmdb, 1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = Settings.from_env(
+        {
+            "SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "1",
+            "SHEPHERD_HEARTBEAT_PLAINTEXT": "true",
+            "SHEPHERD_HEARTBEAT_LISTEN": f"127.0.0.1:{port}",
+        }
+    ).check_heartbeat_server()
+    caplog.set_level(logging.INFO, logger="shepherd.heartbeat")
+    stop = asyncio.Event()
+    serving = asyncio.create_task(run_heartbeat_server(settings, bmdb_url, stop=stop))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
+            held = stub.Heartbeats()
+            assert (await exchange(held, agent.heartbeat(now_ms()))).outcome == Outcome.ACCEPTED
+            refusal = await refusal_of(stub.Heartbeats(), agent.heartbeat(now_ms()))
+            assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "heartbeat_max_streams_per_address" in (refusal.details() or "")
+            held.cancel()
+    finally:
+        stop.set()
+        await serving
+    assert "a heartbeat stream from 127.0.0.1 refused: it has 1 streams open" in caplog.text
+    assert "'too_many_streams_from_address': 1" in caplog.text

@@ -63,6 +63,9 @@ def test_durations(text, seconds):
         ({"SHEPHERD_HEARTBEAT_INTERVAL": "10m"}, "heartbeat_interval"),
         ({"SHEPHERD_HEARTBEAT_INTERVAL": "5m", "SHEPHERD_HEARTBEAT_TIMEOUT": "4m"}, "heartbeat_interval"),
         ({"SHEPHERD_HEARTBEAT_MAX_SKEW": "11m"}, "heartbeat_max_skew"),
+        ({"SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "-1"}, "heartbeat_max_streams_per_address"),
+        ({"SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "2.5"}, "heartbeat_max_streams_per_address"),
+        ({"SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "a few"}, "heartbeat_max_streams_per_address"),
     ],
 )
 def test_bad_values_are_refused_naming_the_setting(environ, setting):
