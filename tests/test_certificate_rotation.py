@@ -393,7 +393,10 @@ async def test_agents_given_the_bundle_trust_a_certificate_from_the_new_ca(
         await eventually(stranded_failed, "the old-CA agent's failure")
         record = await bmdb.get_machine(stranded.machine_id)
         assert record is not None and record.agent_heartbeat_at is None
-        assert "heartbeat failed" not in early.log() + late.log()
+        # Neither failed to connect. (A first heartbeat may come before the test records the agent's key, and be
+        # refused as NOT_ACCEPTED, as after a real takeover: that is not the certificate's doing.)
+        failures = [line for line in (early.log() + late.log()).splitlines() if "heartbeat failed" in line]
+        assert all("NOT_ACCEPTED" in line for line in failures), failures
     finally:
         await server.stop(None)
         await service.close()
