@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -79,18 +81,13 @@ async def take_over_again(stack: FleetStack, bmdb, provider_id: str, reason: str
     await stack.wait_for_stage([provider_id], MachineStage.WATCHING)
 
 
-def file_lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "shepherd.files" and text in r.getMessage()]
-
-
-async def test_a_takeover_hands_out_the_agent_executable_and_ca_bundle_as_their_files_are_now(
-    tmp_path, temporal_client, bmdb_url, bmdb, caplog
-):
-    caplog.set_level(logging.INFO, logger="shepherd.files")
-    old_ca, new_ca = ca_pem("old CA"), ca_pem("new CA")
-    agent, bundle = tmp_path / "agent-exe", tmp_path / "agents-ca.pem"
+@asynccontextmanager
+async def watching_machine(
+    tmp_path: Path, temporal_client, bmdb_url: str, agent: Path, bundle: Path, ca: bytes
+) -> AsyncIterator[FleetStack]:
+    """A stack whose one machine was taken over with agent 1.0 from agent and the CA ca from bundle."""
     replace_file(agent, recording_agent("1.0"), 0o755)
-    replace_file(bundle, old_ca, 0o644)
+    replace_file(bundle, ca, 0o644)
     async with fleet_stack(
         tmp_path,
         temporal_client,
@@ -101,6 +98,20 @@ async def test_a_takeover_hands_out_the_agent_executable_and_ca_bundle_as_their_
     ) as stack:
         await stack.run_pass()
         await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+        yield stack
+
+
+def file_lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "shepherd.files" and text in r.getMessage()]
+
+
+async def test_a_takeover_hands_out_the_agent_executable_and_ca_bundle_as_their_files_are_now(
+    tmp_path, temporal_client, bmdb_url, bmdb, caplog
+):
+    caplog.set_level(logging.INFO, logger="shepherd.files")
+    old_ca, new_ca = ca_pem("old CA"), ca_pem("new CA")
+    agent, bundle = tmp_path / "agent-exe", tmp_path / "agents-ca.pem"
+    async with watching_machine(tmp_path, temporal_client, bmdb_url, agent, bundle, old_ca) as stack:
         uploaded, init = on_the_machine(stack, "node-0001")
         assert uploaded == recording_agent("1.0") and list(init.ca_certificates) == [der(old_ca)]
 
@@ -125,21 +136,9 @@ async def test_a_bad_replacement_keeps_the_copy_before_and_is_logged_once(
     caplog.set_level(logging.INFO, logger="shepherd.files")
     old_ca, new_ca = ca_pem("old CA"), ca_pem("new CA")
     agent, bundle = tmp_path / "agent-exe", tmp_path / "agents-ca.pem"
-    replace_file(agent, recording_agent("1.0"), 0o755)
-    replace_file(bundle, old_ca, 0o644)
     # The reference agent caught half written: a script whose zip archive lacks its end.
     reference = build_agent_executable(tmp_path / "reference-agent").read_bytes()
-    async with fleet_stack(
-        tmp_path,
-        temporal_client,
-        bmdb_url,
-        machines=1,
-        agent_executable_path=agent,
-        agent_endpoint_ca_certificate_path=bundle,
-    ) as stack:
-        await stack.run_pass()
-        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
-
+    async with watching_machine(tmp_path, temporal_client, bmdb_url, agent, bundle, old_ca) as stack:
         replace_file(agent, reference[: len(reference) // 2], 0o755)
         replace_file(bundle, b"<html>404 Not Found</html>\n", 0o644)
         for attempt in range(2):
