@@ -16,6 +16,9 @@ shepherd  the machines are admitted to BMDB and created with their workflow
           with --concurrency activity slots provisions it (provider API, which
           finds it created, and BMDB) and takes it over (SSH, BMDB), as in
           production. Timed until BMDB holds every agent's start.
+merged    (with --merged) as shepherd, with bench.merged_bringup's workflow in place of MachineWorkflow: a design
+          option the product does not take, provisioning and the agent start as ONE activity (the product's
+          two, run in turn), so two workflow tasks a machine instead of three. Timed as shepherd.
 
 Both run from compiled bytecode, as installed code does (a bytecode cache of
 their own): without it, the workflow sandbox compiles the workflow module at
@@ -35,7 +38,7 @@ device_creation_interval and at most chunk_size a pass, the provider's rate
 limit; this measures what the worker does once machines are admitted (after a
 fleet-wide recovery, or with those limits raised). Run:
 
-    python -m bench.bringup [--machines 1000] [--concurrency 200] [--eager-start]
+    python -m bench.bringup [--machines 1000] [--concurrency 200] [--eager-start] [--merged]
         [--dynamic-config KEY=VALUE ...]
 """
 
@@ -198,11 +201,14 @@ async def measure_shepherd(
     *,
     eager_start: bool = False,
     dynamic_config: tuple[str, ...] = (),
+    merged: bool = False,
 ) -> Outcome:
+    """The shepherd variant; merged: the merged variant, bench.merged_bringup's workflow and workers instead."""
     from temporalio.testing import WorkflowEnvironment
 
     from activities.deps import open_activity_deps
     from activities.workflow_start import start_machine_workflow
+    from bench.merged_workers import merged_serving, start_merged_bringup
     from lifecycle.contracts import SEARCH_ATTRIBUTES, machine_workflow_id
     from processes.worker import serving
     from shepherd.commands.dev import temporal_cli
@@ -243,9 +249,8 @@ async def measure_shepherd(
 
             async def start(slot_and_machine: tuple[str, uuid.UUID]) -> bool:
                 slot, machine_id = slot_and_machine
-                return await start_machine_workflow(
-                    env.client, settings, PROVIDER, slot, str(machine_id), eager=eager_start
-                )
+                starting = start_merged_bringup if merged else start_machine_workflow
+                return await starting(env.client, settings, PROVIDER, slot, str(machine_id), eager=eager_start)
 
             async def started_eagerly(slot: str) -> bool:
                 handle = env.client.get_workflow_handle(machine_workflow_id(PROVIDER, slot))
@@ -255,7 +260,7 @@ async def measure_shepherd(
 
             (temporal_server,) = children_of(os.getpid(), mentioning="start-dev")
             others_before = process_cpu_seconds(temporal_server), postgres_cpu_seconds(tmp / "pg") or 0.0
-            async with serving(env.client, deps):
+            async with (merged_serving if merged else serving)(env.client, deps):
                 stopwatch = Stopwatch()
                 machine_ids = [machine_id for machine_id, _ in admitted]
                 await each_at_most(list(zip(sim.slots, machine_ids, strict=True)), START_CONCURRENCY, start)
@@ -280,7 +285,7 @@ async def measure_shepherd(
         await env.shutdown()
         await sim.stop()
     return stopwatch.outcome(
-        "shepherd",
+        "merged" if merged else "shepherd",
         machines,
         concurrency,
         failures,
@@ -310,6 +315,7 @@ def run_variant(args: argparse.Namespace) -> Outcome:
                 url,
                 eager_start=args.eager_start,
                 dynamic_config=tuple(args.dynamic_config),
+                merged=args.variant == "merged",
             )
             return asyncio.run(shepherd)
 
@@ -329,20 +335,24 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
             f"{seconds(o.p50):>6} {seconds(o.p99):>6} {o.failed_attempts:>6} "
             f"{o.cpu_process:>7.1f}s {o.cpu_agents:>6.1f}s {o.peak_rss_mib:>5.0f}MiB"
         )
-    raw, shepherd = outcomes
+    raw, *temporal = outcomes
+    for shepherd in temporal:
+        name = shepherd.variant
+        print(
+            f"{name} took {shepherd.seconds / raw.seconds:.2f}x raw asyncssh's time; CPU of the process a machine:"
+            f" {shepherd.cpu_process / shepherd.machines * 1e3:.0f} ms against"
+            f" {raw.cpu_process / raw.machines * 1e3:.0f} ms (both ends of SSH and the provider API are in it)"
+        )
+        print(
+            f"beside {name}, on the same cores: the Temporal server"
+            f" {shepherd.cpu_temporal / shepherd.machines * 1e3:.0f} ms a machine, PostgreSQL"
+            f" {shepherd.cpu_postgres / shepherd.machines * 1e3:.0f} ms; the agents"
+            f" {shepherd.cpu_agents / shepherd.machines * 1e3:.0f} ms"
+            f" (raw: {raw.cpu_agents / raw.machines * 1e3:.0f} ms)"
+        )
+        print(f"{name}: {shepherd.eager_started} of {shepherd.machines} started eagerly")
     print(
-        f"shepherd took {shepherd.seconds / raw.seconds:.2f}x raw asyncssh's time; CPU of the process a machine:"
-        f" {shepherd.cpu_process / shepherd.machines * 1e3:.0f} ms against {raw.cpu_process / raw.machines * 1e3:.0f}"
-        " ms (both ends of SSH and the provider API are in it)"
-    )
-    print(
-        f"beside it, on the same cores: the Temporal server {shepherd.cpu_temporal / shepherd.machines * 1e3:.0f} ms"
-        f" a machine, PostgreSQL {shepherd.cpu_postgres / shepherd.machines * 1e3:.0f} ms; the agents"
-        f" {shepherd.cpu_agents / shepherd.machines * 1e3:.0f} ms (raw: {raw.cpu_agents / raw.machines * 1e3:.0f} ms)"
-    )
-    print(
-        f"eager workflow start {'asked' if args.eager_start else 'not asked'}, {shepherd.eager_started} of"
-        f" {shepherd.machines} started eagerly; dev server dynamic config:"
+        f"eager workflow start {'asked' if args.eager_start else 'not asked'}; dev server dynamic config:"
         f" {', '.join(args.dynamic_config) or 'its defaults'}"
     )
 
@@ -353,7 +363,14 @@ def main() -> None:
     )
     parser.add_argument("--machines", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=DEFAULTS.max_concurrent_activities)
-    parser.add_argument("--variant", choices=["raw", "shepherd"], help="run one variant here and print it as JSON")
+    parser.add_argument(
+        "--variant", choices=["raw", "shepherd", "merged"], help="run one variant here and print it as JSON"
+    )
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="run the merged variant too: provisioning and the agent start as one activity (a design option)",
+    )
     parser.add_argument(
         "--eager-start", action="store_true", help="ask for each workflow's first task in its start response"
     )
@@ -376,7 +393,7 @@ def main() -> None:
         # module at every run, which is no production worker's cost (the worker warns about it at start).
         environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         environment["PYTHONPYCACHEPREFIX"] = bytecode
-        for variant in ("raw", "shepherd"):
+        for variant in ("raw", "shepherd", "merged")[: 3 if args.merged else 2]:
             command = [sys.executable, "-m", "bench.bringup", "--machines", str(args.machines)]
             command += ["--concurrency", str(args.concurrency), "--variant", variant]
             command += ["--eager-start"] * args.eager_start
