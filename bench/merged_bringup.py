@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 # MachineWorkflow's retries within one attempt, for blips.
+MERGED_BRINGUP_WORKFLOW_TYPE = "MergedBringUpBench"
 _BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 
 
@@ -53,7 +54,7 @@ class MergedBringUpActivities:
         return await self.takeover.start_agent(StartAgentInput(input.provider, input.provider_id, input.machine_id))
 
 
-@workflow.defn(name="MergedBringUpBench")
+@workflow.defn(name=MERGED_BRINGUP_WORKFLOW_TYPE)
 class MergedBringUpWorkflow:
     """A machine's bring-up with provisioning and the agent start as one activity; a benchmark's, not the product's."""
 

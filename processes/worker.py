@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -56,7 +56,7 @@ from foundation.metrics import (
     metrics_runtime,
     refresh_gauges,
 )
-from foundation.settings import Settings
+from foundation.settings import ProviderInstance, Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
 from foundation.tls import parse_certificates
@@ -76,67 +76,95 @@ from workflows.machine import MachineWorkflow
 log = logging.getLogger("shepherd.worker")
 
 
+def _worker_options(settings: Settings) -> dict[str, Any]:
+    """What every worker of the process is given, whatever its task queue: its activity slots and rate, its
+    interceptors, and how long it lets activities finish at shutdown."""
+    return {
+        "interceptors": [LogContextInterceptor()],
+        "max_concurrent_activities": settings.max_concurrent_activities,
+        "max_activities_per_second": settings.max_activities_per_second or None,
+        "graceful_shutdown_timeout": timedelta(seconds=settings.shutdown_grace),
+    }
+
+
+def workflow_queue_worker(
+    client: Client, settings: Settings, workflows: Sequence[type], activities: Sequence[Callable[..., Any]]
+) -> Worker:
+    """The worker of settings.task_queue: the workflows, and the activities that call BMDB and Temporal."""
+    return Worker(
+        client,
+        task_queue=settings.task_queue,
+        workflows=workflows,
+        activities=activities,
+        max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
+        # Memory follows this, not the fleet: a WATCHING machine evicted from the cache costs nothing until a
+        # signal comes, which replays its short history.
+        max_cached_workflows=settings.max_cached_workflows,
+        **_worker_options(settings),
+    )
+
+
+def provider_queue_worker(
+    client: Client, settings: Settings, instance: ProviderInstance, activities: Sequence[Callable[..., Any]]
+) -> Worker:
+    """The worker of a provider instance's queue: the activities that call it, rate-limited by Temporal across all
+    workers."""
+    return Worker(
+        client,
+        task_queue=provider_task_queue(settings.task_queue, instance.name),
+        activities=activities,
+        max_task_queue_activities_per_second=instance.activities_per_second or None,
+        **_worker_options(settings),
+    )
+
+
 def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
     """The workflows and the BMDB and Temporal activities on settings.task_queue, and for every provider instance
-    the activities that call it on that instance's queue, rate-limited by Temporal across all workers."""
+    the activities that call it on that instance's queue."""
     settings = deps.settings
     fleet = FleetActivities(deps)
     provisioning = ProvisioningActivities(deps)
     takeover = TakeoverActivities(deps)
     recovery = RecoveryActivities(deps)
     decommission = DecommissionActivities(deps)
-    common: dict[str, Any] = {
-        "interceptors": [LogContextInterceptor()],
-        "max_concurrent_activities": settings.max_concurrent_activities,
-        "max_activities_per_second": settings.max_activities_per_second or None,
-        "graceful_shutdown_timeout": timedelta(seconds=settings.shutdown_grace),
-    }
-    workers = [
-        Worker(
+    main_queue = workflow_queue_worker(
+        client,
+        settings,
+        [FleetWorkflow, MachineWorkflow],
+        [
+            fleet.admit_machine,
+            fleet.ensure_machine_workflows,
+            fleet.watch_silent_machines,
+            fleet.signal_silent_machines,
+            recovery.record_reboot,
+            recovery.record_quarantine,
+            recovery.record_stuck,
+            recovery.record_maintenance,
+            recovery.check_agent_after_maintenance,
+            recovery.record_operator_action,
+            decommission.forget_decommissioned_agent,
+            decommission.record_retired,
+        ],
+    )
+    provider_queues = [
+        provider_queue_worker(
             client,
-            task_queue=settings.task_queue,
-            workflows=[FleetWorkflow, MachineWorkflow],
-            activities=[
-                fleet.admit_machine,
-                fleet.ensure_machine_workflows,
-                fleet.watch_silent_machines,
-                fleet.signal_silent_machines,
-                recovery.record_reboot,
-                recovery.record_quarantine,
-                recovery.record_stuck,
-                recovery.record_maintenance,
-                recovery.check_agent_after_maintenance,
-                recovery.record_operator_action,
-                decommission.forget_decommissioned_agent,
-                decommission.record_retired,
+            settings,
+            instance,
+            [
+                fleet.plan_reconcile_pass,
+                provisioning.provision_machine,
+                takeover.start_agent,
+                recovery.reboot_through_provider,
+                recovery.wait_for_boot,
+                recovery.reboot_machine,
+                takeover.stop_agent,
+                decommission.retire_through_provider,
             ],
-            max_concurrent_workflow_tasks=settings.max_concurrent_workflow_tasks,
-            # Memory follows this, not the fleet: a WATCHING machine evicted from the cache costs nothing until
-            # a signal comes, which replays its short history.
-            max_cached_workflows=settings.max_cached_workflows,
-            **common,
         )
+        for instance in settings.provider_instances
     ]
-    for instance in settings.provider_instances:
-        workers.append(
-            Worker(
-                client,
-                task_queue=provider_task_queue(settings.task_queue, instance.name),
-                activities=[
-                    fleet.plan_reconcile_pass,
-                    provisioning.provision_machine,
-                    takeover.start_agent,
-                    recovery.reboot_through_provider,
-                    recovery.wait_for_boot,
-                    recovery.reboot_machine,
-                    takeover.stop_agent,
-                    decommission.retire_through_provider,
-                ],
-                max_task_queue_activities_per_second=instance.activities_per_second or None,
-                **common,
-            )
-        )
-    return workers
+    return [main_queue, *provider_queues]
 
 
 @asynccontextmanager
