@@ -472,6 +472,14 @@ async def test_an_agent_executable_a_worker_would_refuse_fails(installation, she
     assert "cut short" in detail or "damaged" in detail, detail
 
 
+async def test_an_empty_agent_executable_fails(installation, shepherd_cli):
+    empty = installation.tmp_path / "empty-agent"
+    empty.touch(mode=0o755)
+    report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_AGENT_EXECUTABLE_PATH": str(empty)})
+    assert_only_these_fail(report, {"agent executable"})
+    assert report.detail("agent executable") == f"{empty} is empty (agent_executable_path)"
+
+
 async def test_an_unreachable_provider_fails(installation, shepherd_cli):
     port = free_port()
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_SIM_API_URL": f"http://127.0.0.1:{port}"})

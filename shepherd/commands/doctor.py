@@ -656,10 +656,9 @@ class Doctor:
         if not os.access(path, os.R_OK):
             fail(f"{path} cannot be read by this user (agent_executable_path)", path=str(path))
         size = path.stat().st_size
-        if size == 0:
-            fail(f"{path} is empty (agent_executable_path)", path=str(path), size_bytes=0)
         try:
-            # What a worker checks before it hands the file out: a file it would refuse fails every takeover.
+            # What a worker checks before it hands the file out (an empty one among others): a file it would
+            # refuse fails every takeover.
             read_executable(path)
         except NotAnExecutable as error:
             fail(f"{error} (agent_executable_path)", path=str(path), size_bytes=size)
