@@ -7,9 +7,11 @@ executable) live here and never in a payload.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import asyncssh
 from temporalio.client import Client
@@ -18,14 +20,16 @@ from temporalio.exceptions import ApplicationError
 
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
-from foundation.executables import agent_executable_file
+from foundation.executables import AgentExecutable, ExecutableTarget, agent_executable_file
 from foundation.files import ReloadedFile
 from foundation.metrics import WorkerMetrics
-from foundation.settings import Settings
+from foundation.settings import Settings, SettingsError
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import agent_ca_bundle_file
 from providers import Provider, ProviderError
 from providers.registry import open_providers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,18 +42,18 @@ class ActivityDeps:
     client: Client
     ssh_key: asyncssh.SSHKey
     ssh_public_key: str
-    # The agent executable and the CA bundle (DER each) takeovers hand out, read again when their files change, so
-    # an agent upgrade or a CA rotation needs no restart of the workers; None where none is set.
-    agent_executable_file: ReloadedFile[bytes] | None = None
+    # The agent executables (one per kind of machine) and the CA bundle (DER each) takeovers hand out, read again
+    # when their files change, so an agent upgrade or a CA rotation needs no restart of the workers.
+    agent_executable_files: tuple[ReloadedFile[AgentExecutable], ...] = ()
     agent_ca_bundle_file: ReloadedFile[tuple[bytes, ...]] | None = None
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics.on(MetricMeter.noop))
 
-    def takeover_files(self) -> tuple[bytes, tuple[bytes, ...]]:
-        """The agent executable and the CA bundle a takeover hands out now: as their files are, or as they were
+    def takeover_files(self) -> tuple[tuple[AgentExecutable, ...], tuple[bytes, ...]]:
+        """The agent executables and the CA bundle a takeover hands out now: as their files are, or as they were
         when last good (a bad replacement is logged once and left unused)."""
-        agent = self.agent_executable_file.current() if self.agent_executable_file is not None else b""
+        agents = tuple(file.current() for file in self.agent_executable_files)
         bundle = self.agent_ca_bundle_file.current() if self.agent_ca_bundle_file is not None else ()
-        return agent, bundle
+        return agents, bundle
 
     def provider(self, name: str) -> Provider:
         try:
@@ -72,11 +76,10 @@ async def open_activity_deps(settings: Settings, client: Client, database_url: s
 
     An agent executable or a CA bundle that cannot be handed out is a SettingsError naming its setting."""
     settings.check_agent()
-    assert settings.agent_executable_path is not None
     ssh_key = load_or_create_ssh_key(settings.effective_ssh_key_path)
     ca_path = settings.agent_endpoint_ca_certificate_path
     agent_ca_bundle = agent_ca_bundle_file(ca_path) if ca_path is not None else None
-    agent_executable = agent_executable_file(settings.agent_executable_path)
+    agent_executables = agent_executable_files(settings)
     bmdb = await open_bmdb(database_url)
     providers = open_providers(settings)
     return ActivityDeps(
@@ -86,9 +89,27 @@ async def open_activity_deps(settings: Settings, client: Client, database_url: s
         client=client,
         ssh_key=ssh_key,
         ssh_public_key=public_key_openssh(ssh_key),
-        agent_executable_file=agent_executable,
+        agent_executable_files=agent_executables,
         agent_ca_bundle_file=agent_ca_bundle,
     )
+
+
+def agent_executable_files(settings: Settings) -> tuple[ReloadedFile[AgentExecutable], ...]:
+    """The agent executables of agent_executable_path, each logged (its SHA-256 and the machines it runs on);
+    SettingsError naming the setting for one that cannot be handed out, or two for the same kind of machine."""
+    files = tuple(agent_executable_file(path) for path in settings.agent_executable_paths)
+    seen: dict[ExecutableTarget, Path] = {}
+    for file in files:
+        agent = file.current()
+        if agent.target in seen:
+            raise SettingsError(
+                "agent_executable_path",
+                f"{seen[agent.target]} and {file.path} are both for {agent.target.describe()}: give one per "
+                "kind of machine",
+            )
+        seen[agent.target] = file.path
+        log.info("agent executable %s: %s", file.path, agent.describe())
+    return files
 
 
 @asynccontextmanager

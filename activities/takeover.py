@@ -79,7 +79,8 @@ class TakeoverActivities:
 
         started_at = datetime.now(UTC)
         facts = _facts(started_at, result.agent_public_key, list(result.warnings))
-        detail = f"agent key {facts.key_fingerprint}"
+        # Which agent build runs where: the event log answers it for every takeover.
+        detail = f"agent key {facts.key_fingerprint}; agent sha256 {result.agent_sha256} on {result.machine}"
         if facts.warnings:
             detail += "; warnings: " + "; ".join(facts.warnings)
         # The key was pinned at the handshake; a pinned one was checked in it. The record checks again, in its

@@ -1,18 +1,34 @@
-"""Pack the reference agent into one executable file: a zipapp with a shebang.
+"""Build the agent executable: one file that runs on a Linux machine of this host's architecture with nothing
+installed, no Python at all.
 
-The file runs with the given Python (by default this one), which must have
-protobuf and cryptography; on the simulated machines that is the worker's own.
-Only the reference agent and the ``proto`` package go in, so what runs on a
-machine does not depend on the rest of Shepherd.
+PyInstaller packs the interpreter, the reference agent, the ``proto`` messages and the native parts of grpcio,
+PyNaCl and protobuf into one ELF file (its one-file mode), which unpacks them into the machine's temporary
+directory when it starts. The file carries what it needs of the machine in an ELF section of its own (the
+architecture, the C library and the oldest glibc its parts were linked against), which the workers read before
+they upload it (foundation.executables).
 
-Usage: ``python -m agent.build OUT [--python INTERPRETER]``
+A PyInstaller build takes a quarter of a minute, so builds are kept in a cache (``$SHEPHERD_AGENT_BUILD_CACHE``,
+else ``~/.cache/shepherd/agent-builds``) under a digest of everything that goes in: the sources, the entry point,
+the Python and the versions of PyInstaller and the packed libraries. The same inputs give the same file.
+
+``--zipapp-python INTERPRETER`` builds the old zipapp instead: a script that needs that interpreter with protobuf,
+grpcio and PyNaCl on the machine. An escape hatch for a machine that has them, never the default.
+
+Usage: ``python -m agent.build OUT [--no-heartbeats] [--zipapp-python INTERPRETER]``
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
 import io
+import json
 import os
+import platform
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import zipapp
@@ -21,9 +37,12 @@ from pathlib import Path
 
 import agent
 import proto
+from foundation.executables import MANIFEST_SECTION, executable_target
+from foundation.files import replace_file
 
 AGENT_DIR = Path(agent.__file__).parent
 PROTO_DIR = Path(proto.__file__).parent
+PROJECT_DIR = AGENT_DIR.parent
 # Archive name -> source file: all of agent/ but this builder, and of proto/ what
 # the agent speaks (the messages and the heartbeat signature), not the generator.
 SOURCES: dict[str, Path] = {
@@ -40,9 +59,161 @@ NO_HEARTBEATS_ENTRY_POINT = (
     "import os\nimport sys\n\nfrom agent.reference import HEARTBEATS_VARIABLE, main\n\n"
     'os.environ[HEARTBEATS_VARIABLE] = "off"\nsys.exit(main())\n'
 )
-# Fixed timestamps and modes: the same sources always give the same bytes.
+# What the agent imports on the machine, and what it never needs: the PyInstaller analysis follows every import of
+# the libraries, among them code generators, test frameworks and codecs an agent never loads.
+HIDDEN_IMPORTS = ("agent.heartbeat", "grpc", "pkgutil", "_cffi_backend")
+EXCLUDED_MODULES = (
+    "grpc_tools",
+    "bcrypt",
+    "unittest",
+    "pydoc",
+    "tkinter",
+    "multiprocessing",
+    "decimal",
+    "_decimal",
+    "xml",
+    "pyexpat",
+    "lzma",
+    "bz2",
+    # OpenSSL's Python bindings (gRPC brings its own TLS) and the Unicode database: 6 MiB unpacked at every start.
+    "ssl",
+    "_ssl",
+    "_hashlib",
+    "unicodedata",
+)
+# Whose versions decide what the build packs.
+PACKED_DISTRIBUTIONS = ("pyinstaller", "grpcio", "pynacl", "protobuf", "cffi")
+CACHE_VARIABLE = "SHEPHERD_AGENT_BUILD_CACHE"
+# glibc's symbol versions, as objdump prints a binary's version references.
+_GLIBC_VERSION = re.compile(r"\bGLIBC_(\d+)\.(\d+)(?:\.\d+)?\b")
+# Fixed timestamps and modes: the same sources always give the same zipapp bytes.
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 ZIP_FILE_MODE = 0o644
+
+
+class BuildError(RuntimeError):
+    """The agent could not be built; the message says which step failed and what it printed."""
+
+
+def build_agent_executable(out_path: Path, *, heartbeats: bool = True, zipapp_python: str | None = None) -> Path:
+    """Write the agent executable to out_path, mode 0755, atomically; returns out_path.
+
+    Without heartbeats the agent answers the takeover and exits. With zipapp_python, a zipapp for that interpreter
+    (the escape hatch) instead of the self-contained executable.
+    """
+    data = zipapp_executable(zipapp_python, heartbeats=heartbeats) if zipapp_python else onefile(heartbeats=heartbeats)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    # A rename: whoever runs or uploads out_path sees the old file or the new, never half of one.
+    replace_file(out_path, data, 0o755)
+    return out_path
+
+
+def onefile(*, heartbeats: bool = True) -> bytes:
+    """The self-contained agent executable's bytes, from the cache or built (and cached) now."""
+    entry = ENTRY_POINT if heartbeats else NO_HEARTBEATS_ENTRY_POINT
+    cached = cache_dir() / f"agent-{platform.machine()}-{inputs_digest(entry)[:24]}"
+    if cached.is_file():
+        return cached.read_bytes()
+    data = _build_onefile(entry)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(cached, data, 0o755)
+    return data
+
+
+def cache_dir() -> Path:
+    """Where finished builds are kept: $SHEPHERD_AGENT_BUILD_CACHE, else the user's cache directory."""
+    configured = os.environ.get(CACHE_VARIABLE)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shepherd" / "agent-builds"
+
+
+def inputs_digest(entry: str) -> str:
+    """SHA-256 over everything a build packs: sources, entry point, this Python and the packed libraries' versions."""
+    digest = hashlib.sha256()
+    for name, source in sorted(SOURCES.items()):
+        digest.update(f"{name}\0".encode() + source.read_bytes() + b"\0")
+    digest.update(entry.encode())
+    digest.update(f"{sys.version}\0{sys.executable}\0".encode())
+    for distribution in PACKED_DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            version = "absent"
+        digest.update(f"{distribution}={version}\0".encode())
+    digest.update(" ".join((*HIDDEN_IMPORTS, *EXCLUDED_MODULES)).encode())
+    return digest.hexdigest()
+
+
+def _build_onefile(entry: str) -> bytes:
+    for tool in ("objcopy", "objdump"):
+        if shutil.which(tool) is None:
+            raise BuildError(f"building the agent needs {tool} (binutils) on PATH")
+    with tempfile.TemporaryDirectory(prefix="shepherd-agent-build-") as work_name:
+        work = Path(work_name)
+        script = work / "shepherd_agent.py"
+        script.write_text(entry)
+        command = [
+            sys.executable, "-m", "PyInstaller", "--onefile", "--strip", "--noconfirm", "--log-level", "WARN",
+            "--name", "agent", "--distpath", str(work / "dist"), "--workpath", str(work / "build"),
+            "--specpath", str(work), "--paths", str(PROJECT_DIR),
+            *(f"--hidden-import={module}" for module in HIDDEN_IMPORTS),
+            *(f"--exclude-module={module}" for module in EXCLUDED_MODULES),
+            str(script),
+        ]  # fmt: skip
+        # A fixed hash seed and source date: the same inputs give the same bytes.
+        environment = {**os.environ, "PYTHONHASHSEED": "0", "SOURCE_DATE_EPOCH": "315532800"}
+        _run(command, "PyInstaller", env=environment, cwd=work)
+        executable = work / "dist" / "agent"
+        manifest = _requirements(executable, work / "unpacked")
+        manifest_file = work / "manifest.json"
+        manifest_file.write_text(json.dumps(manifest, sort_keys=True))
+        _run(
+            ["objcopy", f"--add-section={MANIFEST_SECTION}={manifest_file}", str(executable)],
+            "objcopy",
+            cwd=work,
+        )
+        data = executable.read_bytes()
+    target = executable_target(data)
+    if target.arch is None:
+        raise BuildError("the built agent is no ELF executable of a known architecture")
+    return data
+
+
+def _requirements(executable: Path, unpack_dir: Path) -> dict[str, str]:
+    """What the built executable needs of a machine: its C library and the newest glibc symbol version any part
+    of it (the bootloader, the interpreter, every native library) references."""
+    from PyInstaller.archive.readers import CArchiveReader
+
+    archive = CArchiveReader(str(executable))
+    unpack_dir.mkdir()
+    binaries = [executable]
+    for index, (name, entry) in enumerate(archive.toc.items()):
+        # Typecode "b": a shared library or extension module, unpacked as a file at start.
+        if entry[-1] == "b":
+            path = unpack_dir / f"{index}.bin"
+            path.write_bytes(archive.extract(name))
+            binaries.append(path)
+    newest = (0, 0)
+    for binary in binaries:
+        listing = _run(["objdump", "-p", str(binary)], "objdump")
+        for major, minor in _GLIBC_VERSION.findall(listing):
+            newest = max(newest, (int(major), int(minor)))
+    # Each TOC entry ends (..., uncompressed length, compressed flag, typecode).
+    unpacked = sum(entry[-3] for entry in archive.toc.values())
+    manifest = {"format": "1", "unpacked_kib": str(unpacked // 1024 + 1)}
+    if newest != (0, 0):
+        manifest["glibc"] = f"{newest[0]}.{newest[1]}"
+    return manifest
+
+
+def _run(command: list[str], what: str, **options: object) -> str:
+    completed = subprocess.run(command, capture_output=True, text=True, check=False, **options)  # type: ignore[call-overload]
+    if completed.returncode != 0:
+        tail = " | ".join((completed.stderr or completed.stdout).strip().splitlines()[-15:])
+        raise BuildError(f"{what} failed (exit status {completed.returncode}): {tail}")
+    return str(completed.stdout)
 
 
 def agent_archive(*, heartbeats: bool = True) -> bytes:
@@ -60,39 +231,33 @@ def agent_archive(*, heartbeats: bool = True) -> bytes:
     return buffer.getvalue()
 
 
-def build_agent_executable(out_path: Path, python: str = sys.executable, *, heartbeats: bool = True) -> Path:
-    """Write the agent executable to out_path: mode 0755, written atomically; returns out_path.
-
-    Without heartbeats the agent answers the takeover and exits.
-    """
+def zipapp_executable(python: str, *, heartbeats: bool = True) -> bytes:
+    """The zipapp for python: a #! line and the archive; it runs only where python has protobuf, grpcio and
+    PyNaCl."""
     executable = io.BytesIO()
-    # zipapp adds the shebang line to the ready-made archive.
     zipapp.create_archive(io.BytesIO(agent_archive(heartbeats=heartbeats)), executable, interpreter=python)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    temporary = Path(temporary_name)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(executable.getvalue())
-            file.flush()
-            os.fsync(file.fileno())
-        temporary.chmod(0o755)
-        # A rename: whoever runs or uploads out_path sees the old file or the new, never half of one.
-        os.replace(temporary, out_path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return out_path
+    return executable.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agent.build", description="Build the reference agent executable.")
+    parser = argparse.ArgumentParser(prog="python -m agent.build", description="Build the agent executable.")
     parser.add_argument("out", type=Path, help="where to write the executable")
-    parser.add_argument("--python", default=sys.executable, help="interpreter for the shebang (default: this one)")
     parser.add_argument(
         "--no-heartbeats", action="store_true", help="answer the takeover and exit, sending no heartbeats"
     )
+    parser.add_argument(
+        "--zipapp-python",
+        metavar="INTERPRETER",
+        help="escape hatch: a zipapp run by INTERPRETER, which must have protobuf, grpcio and PyNaCl on the "
+        "machine, instead of the self-contained executable",
+    )
     args = parser.parse_args(argv)
-    print(build_agent_executable(args.out, args.python, heartbeats=not args.no_heartbeats))
+    try:
+        out = build_agent_executable(args.out, heartbeats=not args.no_heartbeats, zipapp_python=args.zipapp_python)
+    except BuildError as error:
+        print(f"python -m agent.build: {error}", file=sys.stderr)
+        return 1
+    print(out)
     return 0
 
 

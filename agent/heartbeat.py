@@ -5,6 +5,7 @@ Kept free of the rest of Shepherd: it runs inside the agent executable.
 
 from __future__ import annotations
 
+import base64
 import os
 import queue
 import random
@@ -13,8 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
+from agent.keys import Signer
 from proto import AGENT_MAX_RETRY_INTERVAL, SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload
 
@@ -99,9 +99,7 @@ class HeartbeatStream:
         self._call.cancel()
 
 
-def signed_heartbeat(
-    machine_id: str, key: Ed25519PrivateKey, now_ms: int | None = None
-) -> agent_api_pb2.HeartbeatRequest:
+def signed_heartbeat(machine_id: str, key: Signer, now_ms: int | None = None) -> agent_api_pb2.HeartbeatRequest:
     """A heartbeat request for now (or now_ms), with a fresh nonce, signed with the agent's key."""
     sent_at = int(time.time() * 1000) if now_ms is None else now_ms
     nonce = os.urandom(NONCE_SIZE)
@@ -139,7 +137,7 @@ class HeartbeatLoop:
     def __init__(
         self,
         machine_id: str,
-        key: Ed25519PrivateKey,
+        key: Signer,
         endpoint: str,
         ca_certificates_der: Sequence[bytes],
         *,
@@ -192,7 +190,7 @@ class HeartbeatLoop:
         Heartbeats go on one Heartbeats stream, opened again when it breaks; a server without it gets unary
         Heartbeat calls. call: a unary call to use instead of a channel (tests give one).
         """
-        import grpc  # after the fork that detached the agent: grpc must not cross a fork
+        import grpc  # in the daemon only: the answer to a takeover does not pay for loading it
 
         channel = None
         if call is None:
@@ -279,13 +277,8 @@ class HeartbeatLoop:
     def _credentials(self, grpc: Any) -> Any:
         if not self.ca_certificates_der:
             return grpc.ssl_channel_credentials()
-        from cryptography import x509
-        from cryptography.hazmat.primitives.serialization import Encoding
-
         # Every CA of the bundle is a root: a server certificate from the old CA or the new is trusted.
-        pem = b"".join(
-            x509.load_der_x509_certificate(der).public_bytes(Encoding.PEM) for der in self.ca_certificates_der
-        )
+        pem = b"".join(der_to_pem(der) for der in self.ca_certificates_der)
         return grpc.ssl_channel_credentials(root_certificates=pem)
 
 
@@ -330,19 +323,8 @@ def _outcome_name(outcome: int) -> str:
         return f"outcome {outcome}"  # from a newer server
 
 
-def detach() -> bool:
-    """Double-fork into a daemon with no terminal and /dev/null for stdio; True in the daemon.
-
-    The SSH session that started the agent ends when the agent's standard
-    output closes, so the daemon must hold none of the session's descriptors.
-    """
-    if os.fork() > 0:
-        return False
-    os.setsid()
-    if os.fork() > 0:
-        os._exit(0)
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-    return True
+def der_to_pem(der: bytes) -> bytes:
+    """A DER certificate as PEM, which gRPC reads (RFC 7468: base64 in lines of 64 between the labels)."""
+    encoded = base64.b64encode(der)
+    lines = [encoded[at : at + 64] for at in range(0, len(encoded), 64)]
+    return b"-----BEGIN CERTIFICATE-----\n" + b"\n".join(lines) + b"\n-----END CERTIFICATE-----\n"

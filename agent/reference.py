@@ -8,28 +8,32 @@ Shepherd reports what the agent saw rather than a bare exit status.
 It makes an ed25519 key for itself and keeps the private half, as the 32 raw
 private-key bytes with mode 0600, in ``agent.key`` in the directory of the
 executable, or in ``$SHEPHERD_AGENT_STATE_DIR`` if that is set. After a
-successful answer it detaches from the SSH session and sends heartbeats signed
-with that key to the endpoint it was given (agent.heartbeat).
+successful answer it starts itself again as a daemon, in a session of its own
+and holding none of the SSH session's descriptors, which sends heartbeats
+signed with that key to the endpoint it was given (agent.heartbeat). A new
+process rather than a fork: the one-file executable removes the files it
+unpacked once its first process exits, and the daemon needs its own.
 
 Run with ``--stop`` instead, it removes the key, and the running agent stops
 before its next heartbeat: Shepherd's decommission does this over SSH.
 
-Only protobuf, cryptography, grpcio and the ``proto`` package are needed: the
-agent modules are packed alone into the executable (see agent.build).
+Only protobuf, PyNaCl, grpcio and the ``proto`` package are needed: the
+agent modules are packed alone into the executable, with the interpreter and
+those libraries (see agent.build).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 from google.protobuf.message import DecodeError
 
+from agent.keys import PRIVATE_KEY_SIZE, AgentKey
 from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
 KEY_FILE = "agent.key"
@@ -38,6 +42,11 @@ LOG_FILE = "agent.log"
 HEARTBEATS_VARIABLE = "SHEPHERD_AGENT_HEARTBEATS"
 STATE_DIR_VARIABLE = "SHEPHERD_AGENT_STATE_DIR"
 NO_CA_WARNING = "no CA certificate given; the system trust store will be used"
+# The daemon's argument: it reads its private key (32 bytes) and then its TakeoverInit on standard input.
+DAEMON_ARGUMENT = "--send-heartbeats"
+# Tells a PyInstaller one-file executable started by another that it is a program of its own, which unpacks its
+# own files, rather than the other's child (PyInstaller 6.9 and newer).
+ONEFILE_RESET_VARIABLE = "PYINSTALLER_RESET_ENVIRONMENT"
 
 
 def state_dir() -> Path:
@@ -46,9 +55,9 @@ def state_dir() -> Path:
     return Path(configured) if configured else Path(sys.argv[0]).resolve().parent
 
 
-def write_private_key(path: Path, key: Ed25519PrivateKey) -> None:
+def write_private_key(path: Path, key: AgentKey) -> None:
     """Write key's 32 raw private bytes to path, mode 0600, replacing any older key atomically."""
-    raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    raw = key.raw
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     # Created 0600 from the start: the private key is never readable by others.
@@ -76,7 +85,7 @@ def trusted_cas(init: takeover_pb2.TakeoverInit) -> list[bytes]:
     return [init.ca_certificate] if init.ca_certificate else []
 
 
-def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, Ed25519PrivateKey | None]:
+def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, AgentKey | None]:
     """The response to the bytes read on standard input, and the key it made and stored (None on an error)."""
     init = takeover_pb2.TakeoverInit()
     try:
@@ -86,7 +95,7 @@ def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, Ed25519Pri
     if not init.machine_id:
         # Also what empty input parses to: Shepherd always sends a machine id.
         return error_response(f"malformed TakeoverInit on stdin ({len(init_bytes)} bytes): no machine_id"), None
-    key = Ed25519PrivateKey.generate()
+    key = AgentKey.generate()
     key_path = state_dir() / KEY_FILE
     try:
         write_private_key(key_path, key)
@@ -95,9 +104,7 @@ def answer(init_bytes: bytes) -> tuple[takeover_pb2.TakeoverResponse, Ed25519Pri
     warnings = []
     if not trusted_cas(init):
         warnings.append(NO_CA_WARNING)
-    success = takeover_pb2.TakeoverSuccess(
-        init_message=init, key=key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw), warnings=warnings
-    )
+    success = takeover_pb2.TakeoverSuccess(init_message=init, key=key.public, warnings=warnings)
     return takeover_pb2.TakeoverResponse(success=success), key
 
 
@@ -120,28 +127,63 @@ def main() -> int:
     if sys.argv[1:] == [AGENT_STOP_ARGUMENT]:
         print(stop())
         return 0
+    if sys.argv[1:] == [DAEMON_ARGUMENT]:
+        return run_daemon()
     init_bytes = sys.stdin.buffer.read()
     response, key = answer(init_bytes)
     sys.stdout.buffer.write(response.SerializeToString())
     sys.stdout.buffer.flush()
     if response.WhichOneof("result") == "success" and os.environ.get(HEARTBEATS_VARIABLE) != "off":
         assert key is not None
-        heartbeat(response.success.init_message, key)
+        start_daemon(response.success.init_message, key)
     return 0
 
 
-def heartbeat(init: takeover_pb2.TakeoverInit, key: Ed25519PrivateKey) -> None:
-    """Detach from the SSH session and send heartbeats signed with key, logging to agent.log.
+def start_daemon(init: takeover_pb2.TakeoverInit, key: AgentKey) -> None:
+    """Start this executable again as the heartbeat daemon, handing it key and init through a pipe.
 
     The key answered is the key used: read back from agent.key, it could already be an overlapping takeover's.
     """
-    from agent.heartbeat import HeartbeatLoop, detach
+    frozen = getattr(sys, "frozen", False)
+    command = [sys.executable] if frozen else [sys.executable, os.path.abspath(sys.argv[0])]
+    with open(os.devnull, "wb") as null:
+        daemon = subprocess.Popen(
+            [*command, DAEMON_ARGUMENT],
+            stdin=subprocess.PIPE,
+            stdout=null,
+            stderr=null,
+            # A session of its own: the end of the SSH session signals nothing to it.
+            start_new_session=True,
+            env={**os.environ, ONEFILE_RESET_VARIABLE: "1"},
+            cwd="/",
+        )
+    assert daemon.stdin is not None
+    daemon.stdin.write(key.raw + init.SerializeToString())
+    daemon.stdin.close()
+
+
+def run_daemon() -> int:
+    """The heartbeat daemon: read the key and the init start_daemon hands over, then send heartbeats until told to
+    stop."""
+    handed = sys.stdin.buffer.read()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if len(handed) <= PRIVATE_KEY_SIZE:
+        return 2
+    key = AgentKey.from_raw(handed[:PRIVATE_KEY_SIZE])
+    init = takeover_pb2.TakeoverInit.FromString(handed[PRIVATE_KEY_SIZE:])
+    heartbeat(init, key)
+    return 0
+
+
+def heartbeat(init: takeover_pb2.TakeoverInit, key: AgentKey) -> None:
+    """Send heartbeats signed with key until the agent is replaced or stopped, logging to agent.log."""
+    from agent.heartbeat import HeartbeatLoop
 
     directory = state_dir()
     key_path = directory / KEY_FILE
-    own_key = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-    if not detach():
-        return
+    own_key = key.raw
     log_path = directory / LOG_FILE
 
     def log(line: str) -> None:

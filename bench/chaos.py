@@ -183,7 +183,7 @@ def stack_settings(root: Path, ports: Ports, database_url: str, options: Options
         provider_timeout=5.0,
         reboot_timeout=60.0,
         ssh_exec_timeout=30.0,
-        agent_executable_path=root / "agent.pyz",
+        agent_executable_path=root / "agent",
         agent_endpoint=endpoint,
         agent_endpoint_ca_certificate_path=certificates.ca_certificate,
         heartbeat_listen=endpoint,

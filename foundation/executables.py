@@ -10,10 +10,13 @@ told; writing the file beside and renaming it over avoids that.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import struct
 import zipfile
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.files import ReloadedFile
@@ -23,6 +26,13 @@ SCRIPT_MAGIC = b"#!"
 # Linux reads at most this much of a #! line (BINPRM_BUF_SIZE): a longer one is cut.
 MAX_SCRIPT_LINE = 256
 ZIP_LOCAL_FILE_HEADER = b"PK\x03\x04"
+# The ELF section in which agent.build records what the executable needs of a machine: JSON, {"glibc": "2.36"}.
+MANIFEST_SECTION = "shepherd_agent"
+# ELF e_machine -> the architecture as `uname -m` names it (lifecycle.probe folds uname's other names into these).
+ELF_MACHINES = {3: "i686", 40: "arm", 62: "x86_64", 183: "aarch64", 243: "riscv64", 22: "s390x", 258: "loongarch64"}
+# e_machine 21 (PowerPC 64) names its byte order in uname.
+_PPC64 = 21
+_PT_INTERP = 3
 # ELF header fields: (class 1 is 32-bit, 2 is 64-bit) -> struct formats of the header from e_phoff to e_shnum, and
 # of a program header's p_offset and p_filesz, with the offsets they start at.
 _ELF_LAYOUT = {
@@ -99,13 +109,127 @@ def _script_problem(data: bytes) -> str | None:
     return None
 
 
-def agent_executable_file(path: Path) -> ReloadedFile[bytes]:
+@dataclass(frozen=True)
+class ExecutableTarget:
+    """What machine an executable runs on, as its file says: None for what the file does not tell (a script runs
+    wherever its interpreter does)."""
+
+    # As `uname -m` names it: x86_64, aarch64, ...
+    arch: str | None = None
+    # "glibc" or "musl" for a dynamically linked ELF, "static" for one that needs no C library.
+    libc: str | None = None
+    # The oldest glibc it runs with, as (major, minor), when the build recorded it.
+    glibc: tuple[int, int] | None = None
+    # What a one-file executable unpacks into the machine's temporary directory when it starts, in KiB; None for
+    # an executable that unpacks nothing (or does not say).
+    unpacked_kib: int | None = None
+
+    def describe(self) -> str:
+        """E.g. "x86_64, glibc 2.36 or newer", "aarch64, static", "a script (any architecture)"."""
+        if self.arch is None:
+            return "a script (any architecture)"
+        if self.libc == "glibc" and self.glibc is not None:
+            return f"{self.arch}, glibc {self.glibc[0]}.{self.glibc[1]} or newer"
+        return f"{self.arch}, {self.libc}"
+
+
+def executable_target(data: bytes) -> ExecutableTarget:
+    """The machine data runs on: read from the ELF header, its program interpreter and the agent's manifest
+    section; an empty target for anything but an ELF file. data must be a whole executable (executable_problem)."""
+    if not data.startswith(ELF_MAGIC) or len(data) < 0x40:
+        return ExecutableTarget()
+    elf_class, order = data[4], "<" if data[5] == 1 else ">"
+    header_format, header_at, offset_format, offset_at, size_format, size_at = _ELF_LAYOUT[elf_class]
+    (machine,) = struct.unpack_from(order + "H", data, 0x12)
+    arch = ELF_MACHINES.get(machine)
+    if machine == _PPC64:
+        arch = "ppc64le" if order == "<" else "ppc64"
+    if arch is None:
+        arch = f"ELF machine {machine}"
+    phoff, shoff, _flags, _ehsize, phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
+        order + header_format, data, header_at
+    )
+    libc = "static"
+    for index in range(phnum):
+        entry = phoff + index * phentsize
+        (p_type,) = struct.unpack_from(order + "I", data, entry)
+        if p_type == _PT_INTERP:
+            (offset,) = struct.unpack_from(order + offset_format, data, entry + offset_at)
+            (size,) = struct.unpack_from(order + size_format, data, entry + size_at)
+            interpreter = data[offset : offset + size].rstrip(b"\0").decode(errors="replace")
+            libc = "musl" if "ld-musl" in interpreter else "glibc"
+    manifest = _section(data, order, elf_class, shoff, shentsize, shnum, shstrndx, MANIFEST_SECTION)
+    glibc = unpacked_kib = None
+    if manifest is not None:
+        try:
+            recorded = json.loads(manifest)
+            major, minor = str(recorded.get("glibc", "")).split(".")[:2]
+            glibc = (int(major), int(minor))
+            unpacked_kib = int(recorded["unpacked_kib"])
+        except (ValueError, AttributeError, KeyError, TypeError):
+            pass
+    return ExecutableTarget(arch=arch, libc=libc, glibc=glibc, unpacked_kib=unpacked_kib)
+
+
+def _section(
+    data: bytes, order: str, elf_class: int, shoff: int, shentsize: int, shnum: int, shstrndx: int, wanted: str
+) -> bytes | None:
+    """The contents of the ELF section named wanted, or None."""
+    if not shoff or shstrndx >= shnum:
+        return None
+    # sh_name (4 bytes), then sh_offset and sh_size: at 0x10/0x14 (32-bit) or 0x18/0x20 (64-bit).
+    word, offset_at, size_at = ("I", 0x10, 0x14) if elf_class == 1 else ("Q", 0x18, 0x20)
+
+    def header(index: int) -> tuple[int, int, int]:
+        at = shoff + index * shentsize
+        (name,) = struct.unpack_from(order + "I", data, at)
+        (offset,) = struct.unpack_from(order + word, data, at + offset_at)
+        (size,) = struct.unpack_from(order + word, data, at + size_at)
+        return name, offset, size
+
+    _, names_at, names_size = header(shstrndx)
+    names = data[names_at : names_at + names_size]
+    for index in range(shnum):
+        name, offset, size = header(index)
+        if names[name : names.find(b"\0", name)] == wanted.encode():
+            return data[offset : offset + size]
+    return None
+
+
+def sha256_hex(data: bytes) -> str:
+    """The SHA-256 of data, in hex: how an agent build is named in logs, doctor and the event log."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class AgentExecutable:
+    """An agent executable as a takeover hands it out: its bytes, the machine it runs on and its SHA-256."""
+
+    data: bytes = field(repr=False)
+    target: ExecutableTarget
+    sha256: str
+
+    @classmethod
+    def of(cls, data: bytes) -> AgentExecutable:
+        return cls(data=data, target=executable_target(data), sha256=sha256_hex(data))
+
+    def describe(self) -> str:
+        """E.g. "16,517,464 bytes, sha256 77cdcabb..., for x86_64, glibc 2.36 or newer"."""
+        return f"{len(self.data):,} bytes, sha256 {self.sha256}, for {self.target.describe()}"
+
+
+def read_agent_executable(path: Path) -> AgentExecutable:
+    """The agent executable at path; NotAnExecutable naming the file, as read_executable."""
+    return AgentExecutable.of(read_executable(path))
+
+
+def agent_executable_file(path: Path) -> ReloadedFile[AgentExecutable]:
     """The agent executable a takeover uploads, read again when the file changed; a file that is no whole
     executable is kept from use (and at start, a SettingsError naming agent_executable_path)."""
     return ReloadedFile(
         path,
-        read_executable,
+        read_agent_executable,
         what="agent executable",
         setting="agent_executable_path",
-        describe=lambda data: f"{len(data):,} bytes; takeovers from now on upload it",
+        describe=lambda agent: f"{agent.describe()}; takeovers from now on upload it",
     )

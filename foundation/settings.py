@@ -170,7 +170,9 @@ class Settings:
     ssh_user: str = _setting("root", "User Shepherd logs in as on machines")
     ssh_connect_timeout: float = _duration(2.0, "Timeout of SSH connect, handshake and authentication")
     ssh_exec_timeout: float = _duration(60.0, "Timeout of agent upload, start and reply")
-    agent_executable_path: Path | None = _setting(None, "Agent executable uploaded to machines")
+    agent_executable_path: Path | None = _setting(
+        None, "Agent executable uploaded to machines; several, one per architecture, separated by ':'"
+    )
     agent_target_path: str = _setting("/root/agent", "Path on the machine the agent is uploaded to")
     agent_endpoint: str = _setting("", "host:port the agent calls back (heartbeats)")
     agent_endpoint_ca_certificate_path: Path | None = _setting(
@@ -264,6 +266,13 @@ class Settings:
         raise SettingsError("providers", f"no provider instance {name!r} (configured: {known})")
 
     @property
+    def agent_executable_paths(self) -> tuple[Path, ...]:
+        """The agent executables, one per kind of machine: agent_executable_path split at ':'."""
+        if self.agent_executable_path is None:
+            return ()
+        return tuple(Path(part) for part in str(self.agent_executable_path).split(":") if part)
+
+    @property
     def effective_ssh_key_path(self) -> Path:
         return self.ssh_key_path or self.state_dir / "ssh_key"
 
@@ -334,10 +343,11 @@ class Settings:
     def check_agent(self) -> Settings:
         """What a worker that starts agents needs on top of check()."""
         self.check()
-        if self.agent_executable_path is None:
+        if not self.agent_executable_paths:
             raise SettingsError("agent_executable_path", "must be set to the agent executable to upload")
-        if not self.agent_executable_path.is_file():
-            raise SettingsError("agent_executable_path", f"{self.agent_executable_path} is not a readable file")
+        for path in self.agent_executable_paths:
+            if not path.is_file():
+                raise SettingsError("agent_executable_path", f"{path} is not a readable file")
         if not self.agent_endpoint:
             raise SettingsError("agent_endpoint", "must be set to the host:port agents call back")
         try:

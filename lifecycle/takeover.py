@@ -1,4 +1,5 @@
-"""Shepherd's side of the takeover: SSH in, upload the agent, run it, check its answer.
+"""Shepherd's side of the takeover: SSH in, probe the machine, upload the agent built for it, run it, check its
+answer.
 
 The checks are the seed Initializer's: the agent must exit with status 0,
 answer a TakeoverResponse, echo the TakeoverInit it was sent and give a
@@ -14,7 +15,6 @@ import enum
 import hashlib
 import posixpath
 import secrets
-import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,7 +24,18 @@ import asyncssh
 from asyncssh.public_key import get_default_public_key_algs
 from google.protobuf.message import DecodeError
 
+from foundation.executables import AgentExecutable
 from foundation.settings import Settings
+from lifecycle.probe import (
+    MachineFacts,
+    ProbeError,
+    choose_agent,
+    directory_problem,
+    parse_probe,
+    probe_command,
+    run_command,
+    where_to_unpack,
+)
 from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
 ED25519_KEY_SIZE = 32
@@ -61,7 +72,9 @@ class TakeoverTarget:
 class TakeoverSettings:
     """How to take over machines: the same for every machine of a fleet."""
 
-    agent_executable: bytes
+    # One agent executable per kind of machine (architecture, C library); the first that runs on a machine is
+    # uploaded to it.
+    agents: tuple[AgentExecutable, ...]
     # host:port the agent calls back.
     endpoint: str
     # Where the agent is uploaded on the machine; relative paths are relative
@@ -77,11 +90,15 @@ class TakeoverSettings:
 
     @classmethod
     def of(
-        cls, settings: Settings, agent_executable: bytes, ca_certificates: tuple[bytes, ...] = ()
+        cls,
+        settings: Settings,
+        agents: bytes | Sequence[AgentExecutable],
+        ca_certificates: tuple[bytes, ...] = (),
     ) -> TakeoverSettings:
-        """The takeover that settings describe, with the agent and CA certificates already read."""
+        """The takeover that settings describe, with the agent executables (or one's bytes) and CA certificates
+        already read."""
         return cls(
-            agent_executable=agent_executable,
+            agents=(AgentExecutable.of(agents),) if isinstance(agents, bytes) else tuple(agents),
             endpoint=settings.agent_endpoint,
             target_path=settings.agent_target_path,
             ca_certificates=ca_certificates,
@@ -103,6 +120,9 @@ class TakeoverResult:
     warnings: list[str] = field(default_factory=list)
     # The end of the agent's standard error, stripped; may be logged.
     stderr: str = ""
+    # The SHA-256 of the agent executable uploaded, and what the probe found the machine to be.
+    agent_sha256: str = ""
+    machine: str = ""
 
 
 class TakeoverFailure(enum.StrEnum):
@@ -114,6 +134,12 @@ class TakeoverFailure(enum.StrEnum):
     HOST_KEY_CHANGED = "HOST_KEY_CHANGED"
     SSH_ERROR = "SSH_ERROR"
     UPLOAD_FAILED = "UPLOAD_FAILED"
+    # The machine's answer to the probe is unreadable: nothing is uploaded.
+    BAD_PROBE = "BAD_PROBE"
+    # No agent executable runs on the machine (its architecture or C library): nothing is uploaded.
+    MACHINE_UNSUPPORTED = "MACHINE_UNSUPPORTED"
+    # The agent's target path cannot take it: no directory, not writable, noexec, not enough disk.
+    TARGET_UNUSABLE = "TARGET_UNUSABLE"
     # Non-zero exit status, or killed by a signal.
     EXEC_FAILED = "EXEC_FAILED"
     EXEC_TIMEOUT = "EXEC_TIMEOUT"
@@ -192,12 +218,16 @@ async def take_over(
                     f"another takeover pinned host key {host_key_fingerprint(other)} first, this server shows "
                     f"{host_key_fingerprint(host_key)}; find out who answers there, then `shepherd reset-host-key`",
                 )
-        phase = "uploading the agent"
+        phase = "probing the machine"
         try:
             async with asyncio.timeout(settings.exec_timeout):
-                await _upload(connection, target, settings)
+                facts = await _probe(connection, target, settings)
+                agent, tmp_dir = _agent_for(facts, target, settings)
+                phase = "uploading the agent"
+                await _upload(connection, target, settings.target_path, agent.data)
                 phase = "running the agent"
-                run = await _run_agent(connection, target, settings.target_path, init.SerializeToString())
+                command = run_command(settings.target_path, tmp_dir)
+                run = await _run(connection, target, command, init.SerializeToString())
         except TimeoutError:
             raise TakeoverError(
                 TakeoverFailure.EXEC_TIMEOUT, target, f"not done within {settings.exec_timeout:g}s while {phase}"
@@ -217,8 +247,7 @@ async def take_over(
             how = "ended without an exit status"
         else:
             how = f"exited with status {run.exit_status}"
-        shown = machine_text(" | ".join(stderr[-STDERR_IN_MESSAGE:].splitlines()), STDERR_IN_MESSAGE) or "(empty)"
-        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {shown}")
+        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {run.stderr_line()}")
     success = _parse_reply(run.stdout, target)
     if success.init_message != init:
         raise TakeoverError(
@@ -237,9 +266,47 @@ async def take_over(
     return TakeoverResult(
         agent_public_key=bytes(success.key),
         host_key=host_key,
-        warnings=machine_warnings(success.warnings),
+        warnings=machine_warnings(success.warnings) + _unpack_warning(facts, tmp_dir),
         stderr=stderr[-STDERR_IN_RESULT:],
+        agent_sha256=agent.sha256,
+        machine=facts.describe(),
     )
+
+
+async def _probe(
+    connection: asyncssh.SSHClientConnection, target: TakeoverTarget, settings: TakeoverSettings
+) -> MachineFacts:
+    """What the machine is, from the probe command's answer; TakeoverError BAD_PROBE when it answers none."""
+    run = await _run(connection, target, probe_command(settings.target_path), b"", TakeoverFailure.BAD_PROBE)
+    try:
+        return parse_probe(run.stdout.decode(errors="replace"), settings.target_path)
+    except ProbeError as error:
+        status = f"exit status {run.exit_status}, stderr: {run.stderr_line()}"
+        raise TakeoverError(TakeoverFailure.BAD_PROBE, target, f"{machine_text(str(error))} ({status})") from None
+
+
+def _unpack_warning(facts: MachineFacts, tmp_dir: str | None) -> list[str]:
+    """What an operator should know when the agent unpacks beside itself rather than in the temporary directory."""
+    if tmp_dir is None:
+        return []
+    tmp = facts.tmp
+    why = "does not exist" if tmp.state == "missing" else f"is {tmp.state}" if tmp.state != "ok" else "is too full"
+    return [
+        f"the machine's temporary directory {tmp.path} {why}: the agent unpacks into {tmp_dir}, which a reboot keeps"
+    ]
+
+
+def _agent_for(
+    facts: MachineFacts, target: TakeoverTarget, settings: TakeoverSettings
+) -> tuple[AgentExecutable, str | None]:
+    """The agent executable for the machine and where it unpacks itself; TakeoverError when none can run there."""
+    chosen = choose_agent(facts, settings.agents)
+    if isinstance(chosen, str):
+        raise TakeoverError(TakeoverFailure.MACHINE_UNSUPPORTED, target, chosen)
+    problem = directory_problem(facts, chosen, settings.target_path, target.username)
+    if problem is not None:
+        raise TakeoverError(TakeoverFailure.TARGET_UNUSABLE, target, problem)
+    return chosen, where_to_unpack(facts, chosen, settings.target_path)
 
 
 async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey) -> str:
@@ -251,7 +318,9 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
     connection = await _connect(target, settings.connect_timeout, client_key)
     try:
         async with asyncio.timeout(settings.exec_timeout):
-            run = await _run_agent(connection, target, settings.target_path, b"", AGENT_STOP_ARGUMENT)
+            _, tmp_dir = _agent_for(await _probe(connection, target, settings), target, settings)
+            command = run_command(settings.target_path, tmp_dir, AGENT_STOP_ARGUMENT)
+            run = await _run(connection, target, command, b"")
     except TimeoutError:
         raise TakeoverError(
             TakeoverFailure.EXEC_TIMEOUT, target, f"the agent's stop took longer than {settings.exec_timeout:g}s"
@@ -266,13 +335,11 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
     answer = machine_text(lines[0]) if lines else ""
     if run.exit_status == 0 and answer.startswith(AGENT_STOPPED):
         return answer
-    tail = run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]
-    shown = machine_text(" | ".join(tail.splitlines()), STDERR_IN_MESSAGE) or "(empty)"
     raise TakeoverError(
         TakeoverFailure.EXEC_FAILED,
         target,
         f"{settings.target_path} {AGENT_STOP_ARGUMENT} did not confirm the stop (exit status {run.exit_status}, "
-        f"answer {answer[:100]!r}, stderr: {shown})",
+        f"answer {answer[:100]!r}, stderr: {run.stderr_line()})",
     )
 
 
@@ -432,9 +499,11 @@ async def _close(connection: asyncssh.SSHClientConnection, grace: float) -> None
         connection.abort()
 
 
-async def _upload(connection: asyncssh.SSHClientConnection, target: TakeoverTarget, settings: TakeoverSettings) -> None:
+async def _upload(
+    connection: asyncssh.SSHClientConnection, target: TakeoverTarget, target_path: str, data: bytes
+) -> None:
     """Write the agent beside its target path, then rename it over: a running agent never sees half a file."""
-    directory, name = posixpath.split(settings.target_path)
+    directory, name = posixpath.split(target_path)
     # Unique, so two uploads to one path (a retry beside a stalled attempt) never write the same file.
     temporary = posixpath.join(directory, f".{name}.{secrets.token_hex(4)}.upload")
     try:
@@ -442,15 +511,15 @@ async def _upload(connection: asyncssh.SSHClientConnection, target: TakeoverTarg
             try:
                 # Exclusive: in a directory others may write to, a link planted under the name is not followed.
                 async with sftp.open(temporary, "xb") as file:
-                    await file.write(settings.agent_executable)
+                    await file.write(data)
                 await sftp.chmod(temporary, 0o755)
                 try:
-                    await sftp.posix_rename(temporary, settings.target_path)
+                    await sftp.posix_rename(temporary, target_path)
                 except asyncssh.SFTPOpUnsupported:
                     # Plain SFTP rename refuses to replace a file: remove the old agent first.
-                    if await sftp.exists(settings.target_path):
-                        await sftp.remove(settings.target_path)
-                    await sftp.rename(temporary, settings.target_path)
+                    if await sftp.exists(target_path):
+                        await sftp.remove(target_path)
+                    await sftp.rename(temporary, target_path)
             except asyncssh.SFTPError:
                 await _remove_quietly(sftp, temporary)
                 raise
@@ -458,7 +527,7 @@ async def _upload(connection: asyncssh.SSHClientConnection, target: TakeoverTarg
         raise TakeoverError(
             TakeoverFailure.UPLOAD_FAILED,
             target,
-            f"cannot upload the agent to {settings.target_path}: {error.reason or type(error).__name__}",
+            f"cannot upload the agent to {target_path}: {error.reason or type(error).__name__}",
         ) from None
 
 
@@ -471,33 +540,36 @@ async def _remove_quietly(sftp: asyncssh.SFTPClient, path: str) -> None:
 
 
 @dataclass(frozen=True)
-class _AgentRun:
-    """What running the agent over SSH gave back: its output, the end of its stderr, and how it exited."""
+class _CommandRun:
+    """What running a command over SSH gave back: its output, the end of its stderr, and how it exited."""
 
     stdout: bytes
     stderr: bytes
     exit_status: int | None
     exit_signal: str | None
 
+    def stderr_line(self) -> str:
+        """The end of standard error on one printable line, for a message; "(empty)" when there was none."""
+        tail = self.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]
+        return machine_text(" | ".join(tail.splitlines()), STDERR_IN_MESSAGE) or "(empty)"
 
-async def _run_agent(
+
+async def _run(
     connection: asyncssh.SSHClientConnection,
     target: TakeoverTarget,
-    target_path: str,
-    init: bytes,
-    *arguments: str,
-) -> _AgentRun:
-    # A bare name would be looked up in PATH by the remote shell, not in the home directory.
-    command_path = target_path if "/" in target_path else f"./{target_path}"
-    process: asyncssh.SSHClientProcess[bytes] = await connection.create_process(
-        shlex.join([command_path, *arguments]), encoding=None
-    )
+    command: str,
+    stdin: bytes,
+    too_long: TakeoverFailure = TakeoverFailure.BAD_REPLY,
+) -> _CommandRun:
+    """Run command on the machine with stdin; its output and exit. Standard output longer than MAX_REPLY_SIZE is a
+    TakeoverError of the kind too_long."""
+    process: asyncssh.SSHClientProcess[bytes] = await connection.create_process(command, encoding=None)
     try:
-        process.stdin.write(init)
+        process.stdin.write(stdin)
         # Closing stdin tells the agent the whole init message has arrived.
         process.stdin.write_eof()
         readers = asyncio.gather(
-            _read_at_most(process.stdout, MAX_REPLY_SIZE, target), _read_tail(process.stderr, MAX_STDERR_KEPT)
+            _read_at_most(process.stdout, MAX_REPLY_SIZE, target, too_long), _read_tail(process.stderr, MAX_STDERR_KEPT)
         )
         try:
             stdout, stderr = await readers
@@ -507,7 +579,7 @@ async def _run_agent(
             raise
         await process.wait_closed()
         signal = process.exit_signal
-        return _AgentRun(
+        return _CommandRun(
             stdout=stdout,
             stderr=stderr,
             exit_status=process.exit_status,
@@ -527,15 +599,16 @@ async def _run_agent(
         process.close()
 
 
-async def _read_at_most(stream: asyncssh.SSHReader[bytes], limit: int, target: TakeoverTarget) -> bytes:
+async def _read_at_most(
+    stream: asyncssh.SSHReader[bytes], limit: int, target: TakeoverTarget, failure: TakeoverFailure
+) -> bytes:
     received = bytearray()
     while chunk := await stream.read(READ_CHUNK):
         received += chunk
         if len(received) > limit:
+            who = "the machine's answer to the probe" if failure is TakeoverFailure.BAD_PROBE else "the agent"
             raise TakeoverError(
-                TakeoverFailure.BAD_REPLY,
-                target,
-                f"the agent wrote more than {limit} bytes to its standard output, which is no reply",
+                failure, target, f"{who} wrote more than {limit} bytes to its standard output, which is no reply"
             )
     return bytes(received)
 

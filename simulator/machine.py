@@ -3,8 +3,11 @@
 Auth is key-only for root with the key given at creation; SFTP is chrooted to
 the machine's own directory; an exec'd path inside it runs as a process of
 this host, in its own session so that it may outlive the SSH session, as a
-detached agent does. A reboot kills those processes and keeps SSH down for
-the boot time.
+detached agent does. ``sh -c SCRIPT NAME ARG...``, the form of every command
+Shepherd sends, runs this host's shell with each ARG that is an absolute path
+taken inside the machine's directory, as the machine's own shell would see it;
+its temporary directory is the machine's ``/tmp``. A reboot kills those
+processes, empties ``/tmp`` and keeps SSH down for the boot time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +126,10 @@ class SimulatedMachine:
         for conn in list(self.connections):
             conn.close()
 
+    def _inside(self, argument: str) -> str:
+        """An argument as this host sees it: an absolute path is taken inside the machine's directory."""
+        return str(self.root_fs / argument.lstrip("/")) if argument.startswith("/") else argument
+
     def kill_processes(self) -> int:
         """Kill every process started through this machine's SSH, detached ones included.
 
@@ -137,6 +145,8 @@ class SimulatedMachine:
 
     async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:
         killed = self.kill_processes()
+        # What its processes unpacked there goes with them, as a real /tmp is emptied at boot.
+        shutil.rmtree(self.root_fs / "tmp", ignore_errors=True)
         log.info("machine %s rebooting: killed %d process group(s)", self.machine_id, killed)
         await self.stop_ssh()
         self.status = "rebooting"
@@ -156,6 +166,7 @@ class SimulatedMachine:
         if self._boot is not None:
             self._boot.cancel()
         self.kill_processes()
+        shutil.rmtree(self.root_fs / "tmp", ignore_errors=True)
         await self.stop_ssh()
 
     async def _run_command(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
@@ -164,28 +175,45 @@ class SimulatedMachine:
             process.stderr.write(b"this machine offers no shell\n")
             process.exit(1)
             return
-        argv = shlex.split(command)
-        path = self.root_fs / argv[0].lstrip("/")
-        if not path.resolve().is_relative_to(self.root_fs.resolve()) or not path.is_file():
-            process.stderr.write(f"{argv[0]}: not found\n".encode())
-            process.exit(EXIT_NOT_FOUND)
+        try:
+            argv = shlex.split(command)
+        except ValueError as error:
+            process.stderr.write(f"sh: {error}\n".encode())
+            process.exit(2)
             return
-        if not os.access(path, os.X_OK):
-            process.stderr.write(f"{argv[0]}: permission denied\n".encode())
-            process.exit(126)
-            return
+        if len(argv) >= 3 and argv[0] in ("sh", "/bin/sh") and argv[1] == "-c":
+            # The script stays as sent; its path arguments are the machine's paths.
+            program, arguments = "/bin/sh", ["-c", argv[2], *argv[3:4], *map(self._inside, argv[4:])]
+            cwd = self.root_fs / "root"
+        else:
+            path = self.root_fs / argv[0].lstrip("/")
+            if not path.resolve().is_relative_to(self.root_fs.resolve()) or not path.is_file():
+                process.stderr.write(f"{argv[0]}: not found\n".encode())
+                process.exit(EXIT_NOT_FOUND)
+                return
+            if not os.access(path, os.X_OK):
+                process.stderr.write(f"{argv[0]}: permission denied\n".encode())
+                process.exit(126)
+                return
+            program, arguments, cwd = str(path), argv[1:], path.parent
         delay = self.exec_delay()
         if delay:
             await asyncio.sleep(delay)
-        log.info("machine %s exec %s", self.machine_id, command)
+        log.info("machine %s exec %s", self.machine_id, command[:200])
+        (self.root_fs / "tmp").mkdir(exist_ok=True)
         child = await asyncio.create_subprocess_exec(
-            str(path),
-            *argv[1:],
+            program,
+            *arguments,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            cwd=path.parent,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SHEPHERD_SIM_MACHINE_ROOT": str(self.root_fs)},
+            cwd=cwd,
+            env={
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": str(self.root_fs / "root"),
+                "TMPDIR": str(self.root_fs / "tmp"),
+                "SHEPHERD_SIM_MACHINE_ROOT": str(self.root_fs),
+            },
             start_new_session=True,
         )
         assert child.stdin and child.stdout and child.stderr

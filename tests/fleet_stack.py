@@ -34,7 +34,7 @@ from workflows.machine import MachineWorkflow
 
 def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **overrides: Any) -> Settings:
     """Settings of a test stack: everything local and fast."""
-    agent = tmp_path / "agent.pyz"
+    agent = tmp_path / "agent"
     if not agent.exists():
         build_agent_executable(agent)
     values: dict[str, Any] = dict(

@@ -5,15 +5,39 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
+from pathlib import Path
 
 from foundation.procfs import processes_mentioning
 
 
 def kill_processes_mentioning(text: str) -> int:
-    """SIGKILL every process whose command line or environment contains text; how many."""
-    killed = 0
+    """Stop every process whose command line or environment contains text, SIGTERM first (a one-file agent then
+    removes what it unpacked), SIGKILL after a grace; how many."""
+    pids = processes_mentioning(text)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and processes_mentioning(text):
+        time.sleep(0.05)
     for pid in processes_mentioning(text):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-            killed += 1
-    return killed
+    return len(pids)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of pid, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name in parentheses may hold spaces: the fields after its closing parenthesis are fixed.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def process_trees(pids: list[int]) -> int:
+    """How many programs the pids are: a one-file agent runs as a bootloader and its interpreter, one program."""
+    members = set(pids)
+    return sum(1 for pid in members if parent_pid(pid) not in members)

@@ -32,7 +32,7 @@ from foundation.procfs import processes_with_variable
 from foundation.tls import local_certificates
 from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
 from proto import agent_api_pb2, takeover_pb2
-from tests.processes import kill_processes_mentioning
+from tests.processes import kill_processes_mentioning, process_trees
 
 
 async def start_server(
@@ -59,8 +59,8 @@ async def heartbeat_after(bmdb: BMDB, machine_id, after: datetime | None, limit:
 
 
 def agents_running(state_dir: Path) -> int:
-    """How many agent processes run with that state directory."""
-    return len(processes_with_variable(f"{STATE_DIR_VARIABLE}={state_dir}".encode()))
+    """How many agents run with that state directory."""
+    return process_trees(processes_with_variable(f"{STATE_DIR_VARIABLE}={state_dir}".encode()))
 
 
 def agent_running(state_dir: Path) -> bool:

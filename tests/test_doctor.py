@@ -4,7 +4,9 @@ own check, naming the cause, with the checks that need it skipped and the rest s
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import platform
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -36,6 +38,7 @@ from shepherd.commands.doctor import (
     worker_task_queues,
 )
 from tests.conftest import database_url, register_bare_namespace
+from tests.elf_files import AARCH64, elf
 from tests.fleet_stack import fleet_stack
 from tests.temporal_proxy import free_port
 from tests.test_recovery import wait_for
@@ -480,6 +483,22 @@ async def test_an_empty_agent_executable_fails(installation, shepherd_cli):
     assert report.detail("agent executable") == f"{empty} is empty (agent_executable_path)"
 
 
+async def test_each_agent_executable_is_shown_with_its_sha256_and_the_machines_it_runs_on(installation, shepherd_cli):
+    agent = Path(installation.env["SHEPHERD_AGENT_EXECUTABLE_PATH"])
+    foreign = installation.tmp_path / "agent-aarch64"
+    foreign.write_bytes(elf(AARCH64))
+    both = f"{agent}:{foreign}"
+    sha256 = hashlib.sha256(agent.read_bytes()).hexdigest()  # noqa: ASYNC240 (a file of the test's own)
+    _, out, _ = await shepherd_cli({**installation.env, "SHEPHERD_AGENT_EXECUTABLE_PATH": both}, "doctor", "--json")
+    [check] = [c for c in json.loads(out)["checks"] if c["name"] == "agent executable"]
+    assert check["status"] == "ok", check
+    first, second = check["executables"]
+    assert first["sha256"] == sha256
+    assert first["runs_on"].startswith(f"{platform.machine()}, glibc ") and first["runs_on"].endswith(" or newer")
+    assert (second["path"], second["runs_on"]) == (str(foreign), "aarch64, glibc")
+    assert f"sha256 {first['sha256'][:16]}" in check["detail"]
+
+
 async def test_an_unreachable_provider_fails(installation, shepherd_cli):
     port = free_port()
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_SIM_API_URL": f"http://127.0.0.1:{port}"})
@@ -500,7 +519,7 @@ def test_the_embedded_stack_is_checked_with_its_own_settings(tmp_path):
     assert embedded.temporal_address == "127.0.0.1:7233" and embedded.temporal_namespace == "default"
     assert embedded.agent_endpoint == AGENT_ENDPOINT
     assert embedded.agent_endpoint_ca_certificate_path == state / "tls" / "ca.pem"
-    assert embedded.agent_executable_path == state / "agent.pyz"
+    assert embedded.agent_executable_path == state / "agent"
     assert [instance.name for instance in embedded.provider_instances] == ["sim"]
     # A BMDB of its own is no embedded stack's.
     assert embedded_stack(base.replace(database_url="postgresql://db.example.net/bmdb")) is None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -22,10 +24,12 @@ from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
 from lifecycle.inputs import fleet_input
+from proto import takeover_pb2
 from shepherd.commands.dev import settings_environment
 from shepherd.commands.fleet import schedule_line
 from shepherd.commands.machines import age, print_machines
 from simulator import Faults
+from tests.elf_files import AARCH64, elf
 from tests.fleet_stack import fleet_stack
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
@@ -134,13 +138,9 @@ async def test_a_bmdb_machine_without_workflow_gets_one(tmp_path, temporal_clien
 
 async def test_agent_error_reaches_status_and_events_and_is_retried(tmp_path, temporal_client, bmdb_url, bmdb):
     failing_agent = tmp_path / "failing-agent"
-    failing_agent.write_text(
-        f"#!{sys.executable}\n"
-        "import sys\nsys.stdin.buffer.read()\n"
-        "from proto import takeover_pb2\n"
-        "r = takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message='disk on fire'))\n"
-        "sys.stdout.buffer.write(r.SerializeToString())\n"
-    )
+    reply = takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message="disk on fire"))
+    encoded = base64.b64encode(reply.SerializeToString()).decode()
+    failing_agent.write_text(f"#!/bin/sh\ncat > /dev/null\nprintf '%s' '{encoded}' | base64 -d\n")
     failing_agent.chmod(0o755)
     async with fleet_stack(
         tmp_path, temporal_client, bmdb_url, machines=1, agent_executable_path=failing_agent
@@ -155,6 +155,37 @@ async def test_agent_error_reaches_status_and_events_and_is_retried(tmp_path, te
         failures = [e for e in await bmdb.list_events(record.machine_id) if e.kind == "agent_start_failed"]
         assert failures and "disk on fire" in failures[0].detail
         assert record.agent_started_at is None
+
+
+async def test_a_machine_no_agent_runs_on_waits_for_an_operator_not_for_the_next_back_off(
+    tmp_path, temporal_client, bmdb_url, bmdb
+):
+    foreign = tmp_path / "agent-aarch64"
+    foreign.write_bytes(elf(AARCH64))
+    async with fleet_stack(
+        tmp_path,
+        temporal_client,
+        bmdb_url,
+        machines=1,
+        agent_executable_path=foreign,
+        agent_start_backoff_maximum=3600.0,
+    ) as stack:
+        await stack.run_pass()
+        status = await stack.wait_for_error("node-0001")
+        assert status.stage is MachineStage.AGENT_STARTING
+        assert status.last_error is not None and status.last_error.startswith("MACHINE_UNSUPPORTED: ")
+        assert status.last_error.endswith("the agent executable is built for aarch64")
+        assert f"the machine is {platform.machine()} with glibc " in status.last_error
+        # Not the first back-off (0.5 s) but the longest: no retry soon changes what the machine is.
+        assert status.next_attempt_at is not None
+        wait = datetime.fromisoformat(status.next_attempt_at) - datetime.now(UTC)
+        assert wait > timedelta(minutes=50), wait
+        record = (await bmdb.list_machines())[0]
+        failures = [e for e in await bmdb.list_events(record.machine_id) if e.kind == "agent_start_failed"]
+        assert len(failures) == 1 and "built for aarch64" in failures[0].detail
+        # An operator who gave the workers an agent for it asks for the retry at once.
+        await stack.machine("node-0001").signal("retry_now", {"reason": "aarch64 agent added", "by": "alice"})
+        await stack.wait_for_error("node-0001", attempts=2)
 
 
 async def test_ssh_refused_is_retried_until_the_machine_answers(tmp_path, temporal_client, bmdb_url):

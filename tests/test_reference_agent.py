@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import zipfile
@@ -15,7 +16,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from agent import build, reference
 from agent import heartbeat as heartbeat_module
 from agent.build import build_agent_executable
+from agent.keys import AgentKey
 from agent.reference import HEARTBEATS_VARIABLE, KEY_FILE, LOG_FILE, NO_CA_WARNING, STATE_DIR_VARIABLE
+from foundation.executables import executable_target
 from proto import takeover_pb2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,20 +95,27 @@ def test_unwritable_state_dir_is_answered_with_an_error(executable, tmp_path):
     assert "cannot store the agent key" in response.error.message
 
 
-def test_build_is_deterministic_and_self_contained(tmp_path):
-    first = build_agent_executable(tmp_path / "a").read_bytes()
-    second = build_agent_executable(tmp_path / "b", python=sys.executable).read_bytes()
-    assert first == second
-    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o755
-    with zipfile.ZipFile(tmp_path / "a") as archive:
-        assert sorted(archive.namelist()) == sorted([*build.SOURCES, "__main__.py"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+def test_build_is_reproducible_and_needs_no_python_on_the_machine(executable, tmp_path, monkeypatch):
+    # A cache of its own: the bytes come from a build of their own, not from the fixture's.
+    monkeypatch.setenv(build.CACHE_VARIABLE, str(tmp_path / "cache"))
+    again = build_agent_executable(tmp_path / "again")
+    assert again.read_bytes() == executable.read_bytes(), "the same inputs give the same executable"
+    assert again.stat().st_mode & 0o777 == 0o755
+    target = executable_target(again.read_bytes())
+    assert (target.arch, target.libc) == (platform.machine(), "glibc")
+    assert target.glibc is not None and target.glibc >= (2, 17)
+    # Nothing of this host's Python on the path or in the environment, and a root without python3 anywhere.
+    init = takeover_pb2.TakeoverInit(machine_id="m-6", endpoint="h:443")
+    empty_path = tmp_path / "bin"
+    empty_path.mkdir()
+    response = run([str(again)], init.SerializeToString(), {"PATH": str(empty_path), STATE_DIR_VARIABLE: str(tmp_path)})
+    assert response.success.init_message == init
 
 
-def test_build_command_line(tmp_path):
+def test_zipapp_escape_hatch_builds_a_script_for_the_named_interpreter(tmp_path):
     out = tmp_path / "out" / "agent"
     completed = subprocess.run(
-        [sys.executable, "-m", "agent.build", str(out), "--python", "/usr/bin/python3"],
+        [sys.executable, "-m", "agent.build", str(out), "--zipapp-python", "/usr/bin/python3"],
         capture_output=True,
         timeout=60,
         check=True,
@@ -113,6 +123,17 @@ def test_build_command_line(tmp_path):
     )
     assert completed.stdout.decode().strip() == str(out)
     assert out.read_bytes().startswith(b"#!/usr/bin/python3\n")
+    with zipfile.ZipFile(out) as archive:
+        assert sorted(archive.namelist()) == sorted([*build.SOURCES, "__main__.py"])
+    assert executable_target(out.read_bytes()).arch is None
+
+
+def test_build_without_binutils_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(build.BuildError, match="needs objcopy"):
+        build_agent_executable(tmp_path / "agent")
+    assert not (tmp_path / "agent").exists()
 
 
 def processes_with(variable: str, value: str) -> list[int]:
@@ -163,7 +184,7 @@ def test_the_agent_heartbeats_with_the_key_it_answered_though_an_overlapping_tak
     response, key = reference.answer(init.SerializeToString())
     assert key is not None
     # A second takeover writes its own key before this agent's heartbeats begin.
-    reference.write_private_key(tmp_path / KEY_FILE, Ed25519PrivateKey.generate())
+    reference.write_private_key(tmp_path / KEY_FILE, AgentKey.generate())
     used: dict = {}
 
     class Recorded:
@@ -174,9 +195,7 @@ def test_the_agent_heartbeats_with_the_key_it_answered_though_an_overlapping_tak
             return "recorded"
 
     monkeypatch.setattr(heartbeat_module, "HeartbeatLoop", Recorded)
-    monkeypatch.setattr(heartbeat_module, "detach", lambda: True)
     monkeypatch.setattr(reference.os, "_exit", lambda code: None)
     reference.heartbeat(response.success.init_message, key)
-    signing = used["key"].public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-    assert signing == response.success.key, "heartbeats are signed with the key Shepherd was told"
+    assert used["key"].public == response.success.key, "heartbeats are signed with the key Shepherd was told"
     assert used["stop_reason"]() == "a newer agent has taken over this machine"

@@ -9,6 +9,7 @@ to a TLS heartbeat server, and reboots it through the emulator's Redfish API.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import os
@@ -24,7 +25,8 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 
 from activities.deps import open_activity_deps
-from bmdb.store import BMDB
+from agent.reference import LOG_FILE
+from bmdb.store import BMDB, MachineRecord
 from foundation.settings import ProviderInstance, Settings
 from lifecycle.contracts import (
     FleetPassResult,
@@ -40,7 +42,13 @@ from processes.worker import build_workers, serving
 from shepherd.commands.machines import print_machines
 from tests.bmc_fixtures import Bmc, fake_system, power_state, running_bmc
 from tests.fleet_stack import stack_settings, start_heartbeat_server
-from tests.sshd_fixtures import Sshd, free_port, sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
+from tests.sshd_fixtures import (  # noqa: F401 (bare_machine_fixture, sshd_fixture)
+    Sshd,
+    bare_machine_fixture,
+    free_port,
+    sshd_fixture,
+    write_private_key,
+)
 from workflows.fleet import FleetWorkflow
 
 LAB = "lab"
@@ -101,6 +109,26 @@ class LabStack:
     async def status(self, provider: str, machine: str) -> MachineStatus:
         return await self.machine(provider, machine).query("status", result_type=MachineStatus)
 
+    async def after_first_heartbeat(self, bmdb: BMDB, machine: str) -> MachineRecord:
+        """The machine's BMDB record once its agent's first heartbeat is in, or as it is after 30 s without one."""
+        [record] = await bmdb.machines_with_provider_id(machine)
+        for _ in range(150):
+            record = await bmdb.get_machine(record.machine_id) or record
+            if record.agent_heartbeat_at is not None:
+                break
+            await asyncio.sleep(0.2)
+        return record
+
+    async def recovered(self, provider: str, machine: str, reason: str) -> MachineStatus:
+        """Force a recovery of the machine; its status once it is WATCHING again after it."""
+        await self.machine(provider, machine).signal("force_recover", {"reason": reason})
+        return await self.wait_for(
+            provider,
+            machine,
+            lambda s: s.recovery_count == 1 and s.stage is MachineStage.WATCHING,
+            "recovered and WATCHING again",
+        )
+
     async def wait_for(self, provider: str, machine: str, done: Any, what: str, limit: float = 90.0) -> MachineStatus:
         """The machine's status once done(status) holds; fails naming what was awaited and the last status."""
         deadline = asyncio.get_running_loop().time() + limit
@@ -118,9 +146,15 @@ class LabStack:
 
 @asynccontextmanager
 async def lab_stack(
-    tmp_path: Path, temporal_client: Client, bmdb_url: str, sshd: Sshd, inventories: dict[str, str]
+    tmp_path: Path,
+    temporal_client: Client,
+    bmdb_url: str,
+    sshd: Sshd,
+    inventories: dict[str, str],
+    agent_target_path: str | None = None,
 ) -> AsyncIterator[LabStack]:
-    """A worker and a heartbeat server managing the given inventories, one provider instance each."""
+    """A worker and a heartbeat server managing the given inventories, one provider instance each; the agent goes
+    to agent_target_path (default: a directory of tmp_path, as the machine is this host)."""
     key = tmp_path / "shepherd_ssh_key"
     write_private_key(key, sshd.client_key)
     instances = []
@@ -145,7 +179,7 @@ async def lab_stack(
             providers=tuple(instances),
             reboot_timeout=120.0,
             ssh_key_path=key,
-            agent_target_path=str(tmp_path / "machine" / "agent"),
+            agent_target_path=agent_target_path or str(tmp_path / "machine" / "agent"),
             agent_endpoint=endpoint,
             agent_endpoint_ca_certificate_path=ca,
             recovery_backoff_initial=1.0,
@@ -174,21 +208,10 @@ async def test_a_listed_machine_is_taken_over_and_power_cycled_through_its_bmc(
         first = await stack.wait_for(LAB, "lab-01", lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
         assert first.agent is not None and first.address == "127.0.0.1"
 
-        [record] = await bmdb.machines_with_provider_id("lab-01")
-        for _ in range(100):
-            record = await bmdb.get_machine(record.machine_id) or record
-            if record.agent_heartbeat_at is not None:
-                break
-            await asyncio.sleep(0.2)
+        record = await stack.after_first_heartbeat(bmdb, "lab-01")
         assert record.agent_heartbeat_at is not None, "the agent on the machine sent no heartbeat"
 
-        await stack.machine(LAB, "lab-01").signal("force_recover", {"reason": "disk errors"})
-        second = await stack.wait_for(
-            LAB,
-            "lab-01",
-            lambda s: s.recovery_count == 1 and s.stage is MachineStage.WATCHING,
-            "recovered and WATCHING again",
-        )
+        second = await stack.recovered(LAB, "lab-01", "disk errors")
         assert second.agent is not None and second.agent.key_fingerprint != first.agent.key_fingerprint
         assert second.last_recovery_reason == "forced: disk errors"
         events = await bmdb.list_events(record.machine_id, limit=20)
@@ -224,6 +247,35 @@ async def test_a_listed_machine_is_taken_over_and_power_cycled_through_its_bmc(
         assert f"{tmp_path / f'{LAB}.toml'} line 1 machine 'lab-01'" in message and "99999" in message
         [record] = await bmdb.machines_with_provider_id("lab-01")
         assert record.missing_since is None
+
+
+async def test_a_machine_with_ssh_and_nothing_else_is_watched_and_recovered_through_its_bmc(
+    tmp_path, temporal_client, bmdb_url, bmdb, bare_machine, lab_bmc
+):
+    sshd, root = bare_machine.sshd, bare_machine.root
+    password = secret_file(tmp_path / "bmc-password", lab_bmc.password)
+    inventory = inventory_entry("bare-01", sshd, bmc_lines(lab_bmc, lab_bmc.systems["lab-01"], password))
+    async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, {LAB: inventory}, "/root/agent") as stack:
+        await stack.run_pass(LAB)
+        first = await stack.wait_for(LAB, "bare-01", lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+        assert first.agent is not None
+        record = await stack.after_first_heartbeat(bmdb, "bare-01")
+        log = root / "root" / LOG_FILE
+        assert record.agent_heartbeat_at is not None, f"no heartbeat; {log}: {log.exists() and log.read_text()}"
+        agent_sha256 = hashlib.sha256((root / "root" / "agent").read_bytes()).hexdigest()
+        [started] = [e for e in await bmdb.list_events(record.machine_id, limit=20) if e.kind == "agent_started"]
+        assert f"agent sha256 {agent_sha256} on x86_64 with glibc " in (started.detail or "")
+
+        second = await stack.recovered(LAB, "bare-01", "disk errors")
+        assert second.agent is not None and second.agent.key_fingerprint != first.agent.key_fingerprint
+        # The first agent saw its key replaced (or its heartbeats refused for it) and stopped by itself.
+        for _ in range(150):
+            stops = [line for line in log.read_text().splitlines() if " stopped: " in line]
+            if stops and "a newer agent has taken over" in stops[0]:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(log.read_text())
 
 
 async def test_provider_activities_run_on_the_instances_rate_limited_queue(tmp_path, temporal_client, bmdb_url):
@@ -366,8 +418,7 @@ def test_dev_takes_over_the_machines_of_an_inventory(tmp_path, sshd, lab_bmc):
         "--inventory",
         str(inventory),
     ]
-    # The machine is this host, so the agent runs with this Python, which has what it needs.
-    flags = ["--agent-python", sys.executable, "--until-ready", "--timeout", "3m"]
+    flags = ["--until-ready", "--timeout", "3m"]
     result = subprocess.run([*dev, *flags], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 machines from" in result.stdout and sshd.client_key.export_public_key("openssh").decode().split()[1] in (

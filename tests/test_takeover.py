@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import platform
 import shlex
 import socket
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -22,6 +23,7 @@ import pytest
 
 from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
+from foundation.executables import executable_target
 from foundation.settings import Settings
 from lifecycle.takeover import (
     MAX_REPLY_SIZE,
@@ -37,7 +39,7 @@ from lifecycle.takeover import (
 from proto import takeover_pb2
 from providers.sim import SimProvider
 from simulator import Faults, Simulator, SimulatorConfig
-from tests.sshd_fixtures import Sshd, sshd_fixture  # noqa: F401 (a pytest fixture, used as `sshd`)
+from tests.sshd_fixtures import Sshd, bare_machine_fixture, sshd_fixture  # noqa: F401 (pytest fixtures)
 
 MACHINE_ID = "7a6c1e9e-0000-4000-8000-000000000001"
 ENDPOINT = "127.0.0.1:8900"
@@ -45,7 +47,7 @@ ENDPOINT = "127.0.0.1:8900"
 
 @pytest.fixture(scope="module")
 def reference_agent(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    return build_agent_executable(tmp_path_factory.mktemp("agent") / "agent.pyz").read_bytes()
+    return build_agent_executable(tmp_path_factory.mktemp("agent") / "agent").read_bytes()
 
 
 def target_of(sshd: Sshd, **overrides: object) -> TakeoverTarget:
@@ -259,11 +261,11 @@ async def test_agent_stderr_is_reported_on_success(sshd, tmp_path):
     assert result.agent_public_key == b"k" * 32
 
 
-async def test_upload_to_a_missing_directory_fails_clearly(sshd, reference_agent, tmp_path):
+async def test_upload_to_a_missing_directory_fails_clearly_before_anything_is_uploaded(sshd, reference_agent, tmp_path):
     agent_path = tmp_path / "no" / "such" / "dir" / "agent"
     error = await expect_failure(target_of(sshd), settings(reference_agent, agent_path), sshd.client_key)
-    assert error.failure is TakeoverFailure.UPLOAD_FAILED
-    assert str(agent_path) in str(error)
+    assert error.failure is TakeoverFailure.TARGET_UNUSABLE
+    assert f"the directory {agent_path.parent} of the agent's target path does not exist" in str(error)
 
 
 # --- SSH ------------------------------------------------------------------------------
@@ -448,8 +450,28 @@ def test_only_host_key_changes_need_an_operator():
     assert [f for f in TakeoverFailure if not f.retryable] == [TakeoverFailure.HOST_KEY_CHANGED]
 
 
-def test_the_agent_runs_with_this_python(reference_agent):
-    assert reference_agent.startswith(f"#!{sys.executable}\n".encode())
+def test_the_agent_is_an_executable_of_this_architecture(reference_agent):
+    target = executable_target(reference_agent)
+    assert (target.arch, target.libc) == (platform.machine(), "glibc")
+    assert target.unpacked_kib is not None and target.unpacked_kib * 1024 > len(reference_agent)
+
+
+# --- a machine with SSH and nothing else -------------------------------------------
+
+
+async def test_a_machine_without_python_is_taken_over_and_its_agent_stopped(bare_machine, reference_agent):
+    sshd, root = bare_machine.sshd, bare_machine.root
+    files = [path for top in ("bin", "lib", "lib64", "root", "tmp", "etc") for path in (root / top).rglob("*")]
+    assert files and not [path for path in files if "python" in path.name], "the bare machine has no Python"
+    takeover = TakeoverSettings.of(Settings(agent_endpoint=ENDPOINT, ssh_exec_timeout=30.0), reference_agent)
+    result = await take_over(target_of(sshd), takeover, sshd.client_key)
+    assert len(result.agent_public_key) == 32
+    assert result.machine.startswith(f"{platform.machine()} with glibc ")
+    assert result.agent_sha256 == hashlib.sha256(reference_agent).hexdigest()
+    assert (root / "root" / "agent").read_bytes() == reference_agent
+    assert (root / "root" / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    answer = await stop_agent(target_of(sshd), takeover, sshd.client_key)
+    assert answer.startswith("stopped:") and not (root / "root" / KEY_FILE).exists()
 
 
 def closed_port() -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-import sys
+import shlex
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,7 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from activities.deps import open_activity_deps
-from agent.build import build_agent_executable
+from agent.build import build_agent_executable, zipapp_executable
 from foundation.executables import executable_problem, read_executable
 from foundation.files import ReloadedFile, replace_file
 from foundation.settings import SettingsError
@@ -35,19 +35,20 @@ ELF = Path("/bin/true").read_bytes()
 NOW = datetime.datetime.now(datetime.UTC)
 
 
-def recording_agent(version: str) -> bytes:
-    """An agent that keeps the TakeoverInit it was sent in init.bin beside itself and answers as the reference
-    agent does, without heartbeats. It runs with this Python, which has the agent package."""
-    return f"""#!{sys.executable}
+@pytest.fixture(scope="module", name="reference")
+def reference_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_agent_executable(tmp_path_factory.mktemp("reference") / "agent")
+
+
+def recording_agent(version: str, reference: Path) -> bytes:
+    """An agent that keeps the TakeoverInit it was sent in init.bin beside itself and hands it to the reference
+    agent, the self-contained executable at reference (on this host, as the simulated machine is), which answers
+    without heartbeats."""
+    return f"""#!/bin/sh
 # recording agent, {version}
-import sys
-
-from agent.reference import answer, state_dir
-
-init = sys.stdin.buffer.read()
-(state_dir() / "{INIT_FILE}").write_bytes(init)
-response, _ = answer(init)
-sys.stdout.buffer.write(response.SerializeToString())
+here=$(dirname "$0")
+export SHEPHERD_AGENT_HEARTBEATS=off SHEPHERD_AGENT_STATE_DIR="$here"
+tee "$here/{INIT_FILE}" | exec {shlex.quote(str(reference))}
 """.encode()
 
 
@@ -83,10 +84,10 @@ async def take_over_again(stack: FleetStack, bmdb, provider_id: str, reason: str
 
 @asynccontextmanager
 async def watching_machine(
-    tmp_path: Path, temporal_client, bmdb_url: str, agent: Path, bundle: Path, ca: bytes
+    tmp_path: Path, temporal_client, bmdb_url: str, agent: Path, bundle: Path, ca: bytes, reference: Path
 ) -> AsyncIterator[FleetStack]:
     """A stack whose one machine was taken over with agent 1.0 from agent and the CA ca from bundle."""
-    replace_file(agent, recording_agent("1.0"), 0o755)
+    replace_file(agent, recording_agent("1.0", reference), 0o755)
     replace_file(bundle, ca, 0o644)
     async with fleet_stack(
         tmp_path,
@@ -106,48 +107,48 @@ def file_lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 async def test_a_takeover_hands_out_the_agent_executable_and_ca_bundle_as_their_files_are_now(
-    tmp_path, temporal_client, bmdb_url, bmdb, caplog
+    tmp_path, temporal_client, bmdb_url, bmdb, caplog, reference
 ):
     caplog.set_level(logging.INFO, logger="shepherd.files")
     old_ca, new_ca = ca_pem("old CA"), ca_pem("new CA")
     agent, bundle = tmp_path / "agent-exe", tmp_path / "agents-ca.pem"
-    async with watching_machine(tmp_path, temporal_client, bmdb_url, agent, bundle, old_ca) as stack:
+    async with watching_machine(tmp_path, temporal_client, bmdb_url, agent, bundle, old_ca, reference) as stack:
         uploaded, init = on_the_machine(stack, "node-0001")
-        assert uploaded == recording_agent("1.0") and list(init.ca_certificates) == [der(old_ca)]
+        assert uploaded == recording_agent("1.0", reference) and list(init.ca_certificates) == [der(old_ca)]
 
         # An agent upgrade and the first step of a CA rotation, as an operator does them: files renamed over.
-        replace_file(agent, recording_agent("2.0"), 0o755)
+        replace_file(agent, recording_agent("2.0", reference), 0o755)
         replace_file(bundle, old_ca + new_ca, 0o644)
         await take_over_again(stack, bmdb, "node-0001", "agent 2.0 and the new CA")
         uploaded, init = on_the_machine(stack, "node-0001")
-        assert uploaded == recording_agent("2.0")
+        assert uploaded == recording_agent("2.0", reference)
         assert list(init.ca_certificates) == [der(old_ca), der(new_ca)] and init.ca_certificate == der(old_ca)
 
         [executable_line] = file_lines(caplog, "agent executable reloaded")
-        assert f"from {agent}: {len(recording_agent('2.0')):,} bytes" in executable_line
+        assert f"from {agent}: {len(recording_agent('2.0', reference)):,} bytes" in executable_line
         [bundle_line] = file_lines(caplog, "agents' CA bundle reloaded")
         assert f"from {bundle}: 2 CA certificate(s)" in bundle_line
         assert file_lines(caplog, "not reloaded") == []
 
 
 async def test_a_bad_replacement_keeps_the_copy_before_and_is_logged_once(
-    tmp_path, temporal_client, bmdb_url, bmdb, caplog
+    tmp_path, temporal_client, bmdb_url, bmdb, caplog, reference
 ):
     caplog.set_level(logging.INFO, logger="shepherd.files")
     old_ca, new_ca = ca_pem("old CA"), ca_pem("new CA")
     agent, bundle = tmp_path / "agent-exe", tmp_path / "agents-ca.pem"
-    # The reference agent caught half written: a script whose zip archive lacks its end.
-    reference = build_agent_executable(tmp_path / "reference-agent").read_bytes()
-    async with watching_machine(tmp_path, temporal_client, bmdb_url, agent, bundle, old_ca) as stack:
-        replace_file(agent, reference[: len(reference) // 2], 0o755)
+    # The reference agent caught half written: an ELF file that lacks its end.
+    reference_bytes = reference.read_bytes()
+    async with watching_machine(tmp_path, temporal_client, bmdb_url, agent, bundle, old_ca, reference) as stack:
+        replace_file(agent, reference_bytes[: len(reference_bytes) // 2], 0o755)
         replace_file(bundle, b"<html>404 Not Found</html>\n", 0o644)
         for attempt in range(2):
             await take_over_again(stack, bmdb, "node-0001", f"bad files {attempt}")
             uploaded, init = on_the_machine(stack, "node-0001")
-            assert uploaded == recording_agent("1.0") and list(init.ca_certificates) == [der(old_ca)]
+            assert uploaded == recording_agent("1.0", reference) and list(init.ca_certificates) == [der(old_ca)]
         # Once a change, naming the file and what is wrong, however many takeovers came after.
         [executable_line] = file_lines(caplog, "agent executable not reloaded")
-        assert f"{agent} is a script with a zip archive (a Python zipapp) cut short" in executable_line
+        assert f"{agent} is an ELF binary cut short (half written?)" in executable_line
         [bundle_line] = file_lines(caplog, "agents' CA bundle not reloaded")
         assert f"{bundle} holds no PEM certificate" in bundle_line
 
@@ -156,9 +157,9 @@ async def test_a_bad_replacement_keeps_the_copy_before_and_is_logged_once(
         replace_file(bundle, new_ca, 0o644)
         await take_over_again(stack, bmdb, "node-0001", "the new CA")
         uploaded, init = on_the_machine(stack, "node-0001")
-        assert uploaded == recording_agent("1.0") and list(init.ca_certificates) == [der(new_ca)]
+        assert uploaded == recording_agent("1.0", reference) and list(init.ca_certificates) == [der(new_ca)]
         assert [line.split("used on: ", 1)[1] for line in file_lines(caplog, "agent executable not reloaded")] == [
-            f"{agent} is a script with a zip archive (a Python zipapp) cut short or damaged (half written?)",
+            f"{agent} is an ELF binary cut short (half written?)",
             f"{agent} is empty",
         ]
 
@@ -211,11 +212,16 @@ def test_an_executable_is_whole_or_says_what_is_wrong(executable, problem):
     assert executable_problem(executable) == problem
 
 
-def test_a_zipapp_cut_anywhere_is_refused(tmp_path):
-    reference = build_agent_executable(tmp_path / "agent").read_bytes()
-    assert executable_problem(reference) is None
-    for cut in (len(reference) // 3, len(reference) - 30, len(reference) - 1):
-        assert "zip archive (a Python zipapp) cut short" in (executable_problem(reference[:cut]) or ""), cut
+def test_an_agent_cut_anywhere_is_refused(tmp_path, reference):
+    onefile = reference.read_bytes()
+    assert executable_problem(onefile) is None
+    for cut in (len(onefile) // 3, len(onefile) - 30, len(onefile) - 1):
+        assert executable_problem(onefile[:cut]) == "is an ELF binary cut short (half written?)", cut
+    # The zipapp of the escape hatch too.
+    zipapp = zipapp_executable("/usr/bin/env python3")
+    assert executable_problem(zipapp) is None
+    for cut in (len(zipapp) // 3, len(zipapp) - 30, len(zipapp) - 1):
+        assert "zip archive (a Python zipapp) cut short" in (executable_problem(zipapp[:cut]) or ""), cut
 
 
 def test_a_file_written_while_it_is_read_is_read_again_at_the_next_look(tmp_path, caplog):

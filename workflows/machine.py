@@ -28,7 +28,7 @@ from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError
 
-from workflows.failures import describe_failure
+from workflows.failures import describe_failure, failure_type
 
 with workflow.unsafe.imports_passed_through():
     from activities.decommission import DecommissionActivities
@@ -100,6 +100,8 @@ _SHORT_STEP_HISTORY = "failing-step-continues-as-new"
 # Attempts of a failing step in one run, before it continues as new: a machine that fails for months keeps a
 # history of a few hundred events.
 STEP_ATTEMPTS_PER_RUN = 50
+# Failures a retry soon cannot mend: the step waits its longest back-off, or an operator's retry_now.
+_WAITS_FOR_AN_OPERATOR = frozenset({"MACHINE_UNSUPPORTED"})
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 _BOOT_WAIT_BOUND = timedelta(hours=4)
 
@@ -837,6 +839,10 @@ class MachineWorkflow:
             except ActivityError as error:
                 status.last_error = describe_failure(error)
                 delay = backoff.delay(status.attempts)
+                if failure_type(error) in _WAITS_FOR_AN_OPERATOR:
+                    # No retry soon can change the machine's architecture: try again after the longest back-off,
+                    # or at once on retry_now (an agent for it configured, the machine replaced).
+                    delay = backoff.maximum
                 status.next_attempt_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
                 self._show_details()
                 workflow.logger.warning(

@@ -29,10 +29,11 @@ from typing import IO
 import aiohttp
 from temporalio.client import Client
 
-from agent.build import build_agent_executable
+from agent.build import BuildError, build_agent_executable
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
+from foundation.executables import executable_target, sha256_hex
 from foundation.settings import ENV_PREFIX, ProviderInstance, Settings, parse_endpoint
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import local_certificates
@@ -62,11 +63,10 @@ METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
 
 
 # What the embedded stack keeps in the state dir, and --fresh deletes.
-DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent.pyz", "ssh_key", "tls", "dev-providers.toml")
+DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent", "ssh_key", "tls", "dev-providers.toml")
 # The provider instance of `shepherd dev --inventory`.
 INVENTORY_INSTANCE = "static"
 # What runs the agent on a real machine: its own python3 (with protobuf, cryptography and grpcio).
-MACHINE_PYTHON = "/usr/bin/env python3"
 
 
 # SSH stays down this long after a simulated reboot, as on real hardware.
@@ -87,7 +87,7 @@ class DevOptions:
     # Real machines from a static inventory instead of the simulator, and where they reach the heartbeat server.
     inventory: Path | None = None
     agent_endpoint: str | None = None
-    # The interpreter line of the agent executable; None: this Python (simulator), or MACHINE_PYTHON (inventory).
+    # Escape hatch: a zipapp agent for this interpreter on the machines instead of the self-contained executable.
     agent_python: str | None = None
 
     def __post_init__(self) -> None:
@@ -138,7 +138,7 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
         temporal_namespace="default",
         state_dir=state,
         sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
-        agent_executable_path=state / "agent.pyz",
+        agent_executable_path=state / "agent",
         agent_endpoint=endpoint,
         max_machines=machines,
         chunk_size=min(machines or 50, 50),
@@ -428,15 +428,29 @@ class DevStack:
         await asyncio.to_thread(migrate.upgrade, database_url)
 
         assert settings.agent_executable_path is not None
-        python = self.options.agent_python or (sys.executable if simulated else MACHINE_PYTHON)
-        build_agent_executable(settings.agent_executable_path, python)
+        self.say("building the agent executable (cached after the first build)")
+        try:
+            agent = await asyncio.to_thread(
+                build_agent_executable, settings.agent_executable_path, zipapp_python=self.options.agent_python
+            )
+        except BuildError as error:
+            raise DevError(f"cannot build the agent executable: {error}") from None
+        agent_bytes = agent.read_bytes()
+        self.say(
+            f"agent {agent}: {len(agent_bytes) / 2**20:.1f} MiB, sha256 {sha256_hex(agent_bytes)[:16]}, "
+            f"for {executable_target(agent_bytes).describe()}"
+        )
         if simulated:
             await self.start_simulator(settings, logs)
         else:
             key = public_key_openssh(load_or_create_ssh_key(settings.effective_ssh_key_path))
             self.say(f"{self.wanted} machines from {self.options.inventory}; Shepherd logs in to them with")
             self.say(f"  {key}")
-            self.say(f"the agent runs there with {python}, which needs protobuf, cryptography and grpcio")
+            if self.options.agent_python:
+                python = self.options.agent_python
+                self.say(f"the agent runs there with {python}, which needs protobuf, PyNaCl and grpcio")
+            else:
+                self.say(f"they need SSH and a writable {settings.agent_target_path}, nothing else")
 
         client = await self.wait_until(self.temporal_client, settings, "the Temporal server")
         child_env = {
@@ -622,7 +636,8 @@ def register(commands: Subcommands) -> None:
     )
     parser.add_argument(
         "--agent-python",
-        help=f"interpreter line of the agent on the machines (with --inventory; default {MACHINE_PYTHON!r})",
+        help="escape hatch (with --inventory): upload a zipapp agent run by this interpreter, which must have "
+        "protobuf, PyNaCl and grpcio, instead of the self-contained executable",
     )
     parser.set_defaults(run=run)
 

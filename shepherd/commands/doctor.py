@@ -40,7 +40,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import head_revision, schema_problem, schema_revision
 from bmdb.store import BMDB, BMDBUnavailable
-from foundation.executables import NotAnExecutable, read_executable
+from foundation.executables import NotAnExecutable, read_agent_executable
 from foundation.settings import ProviderInstance, Settings, SettingsError, parse_endpoint, redact_url
 from foundation.ssh_identity import SSHIdentityError, load_ssh_key
 from foundation.startup import (
@@ -646,24 +646,32 @@ class Doctor:
         return ok(f"{path}: ed25519 {key.get_fingerprint()}, mode {mode}", path=str(path), mode=mode)
 
     async def agent_executable(self) -> Verdict:
-        path = self.settings.agent_executable_path
-        if path is None:
+        paths = self.settings.agent_executable_paths
+        if not paths:
             fail("agent_executable_path is not set (SHEPHERD_AGENT_EXECUTABLE_PATH): workers have no agent to upload")
-        if not path.exists():
-            fail(f"{path} does not exist (agent_executable_path)", path=str(path))
-        if not path.is_file():
-            fail(f"{path} is not a regular file (agent_executable_path)", path=str(path))
-        if not os.access(path, os.R_OK):
-            fail(f"{path} cannot be read by this user (agent_executable_path)", path=str(path))
-        size = path.stat().st_size
-        try:
-            # What a worker checks before it hands the file out (an empty one among others): a file it would
-            # refuse fails every takeover.
-            read_executable(path)
-        except NotAnExecutable as error:
-            fail(f"{error} (agent_executable_path)", path=str(path), size_bytes=size)
-        shown = f"{size / 1_000_000:.1f} MB" if size >= 1_000_000 else f"{math.ceil(size / 1000)} kB"
-        return ok(f"{path}, {shown}", path=str(path), size_bytes=size)
+        shown, facts = [], []
+        for path in paths:
+            if not path.exists():
+                fail(f"{path} does not exist (agent_executable_path)", path=str(path))
+            if not path.is_file():
+                fail(f"{path} is not a regular file (agent_executable_path)", path=str(path))
+            if not os.access(path, os.R_OK):
+                fail(f"{path} cannot be read by this user (agent_executable_path)", path=str(path))
+            size = path.stat().st_size
+            try:
+                # What a worker checks before it hands the file out (an empty one among others): a file it would
+                # refuse fails every takeover.
+                agent = read_agent_executable(path)
+            except NotAnExecutable as error:
+                fail(f"{error} (agent_executable_path)", path=str(path), size_bytes=size)
+            size_text = f"{size / 1_000_000:.1f} MB" if size >= 1_000_000 else f"{math.ceil(size / 1000)} kB"
+            shown.append(f"{path}, {size_text}, sha256 {agent.sha256[:16]}, for {agent.target.describe()}")
+            facts.append(
+                {"path": str(path), "size_bytes": size, "sha256": agent.sha256, "runs_on": agent.target.describe()}
+            )
+        if len(facts) == 1:
+            return ok(shown[0], **facts[0])
+        return ok("; ".join(shown), executables=facts)
 
     # --- providers -------------------------------------------------------------
 
