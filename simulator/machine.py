@@ -143,10 +143,15 @@ class SimulatedMachine:
                 killed += 1
         return killed
 
-    async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:
+    def _power_off(self) -> int:
+        """Kill every process of the machine and empty its /tmp, as a reboot or a power-off does; how many died."""
         killed = self.kill_processes()
         # What its processes unpacked there goes with them, as a real /tmp is emptied at boot.
         shutil.rmtree(self.root_fs / "tmp", ignore_errors=True)
+        return killed
+
+    async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:
+        killed = self._power_off()
         log.info("machine %s rebooting: killed %d process group(s)", self.machine_id, killed)
         await self.stop_ssh()
         self.status = "rebooting"
@@ -165,8 +170,7 @@ class SimulatedMachine:
     async def shutdown(self) -> None:
         if self._boot is not None:
             self._boot.cancel()
-        self.kill_processes()
-        shutil.rmtree(self.root_fs / "tmp", ignore_errors=True)
+        self._power_off()
         await self.stop_ssh()
 
     async def _run_command(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
