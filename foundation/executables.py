@@ -69,26 +69,79 @@ def executable_problem(data: bytes) -> str | None:
     return f"is neither an ELF binary nor a script starting with #! (it starts with {data[:16]!r})"
 
 
+@dataclass(frozen=True)
+class _Elf:
+    """An ELF file's header fields that tell where its parts are."""
+
+    data: bytes
+    elf_class: int
+    order: str
+    phoff: int
+    shoff: int
+    phentsize: int
+    phnum: int
+    shentsize: int
+    shnum: int
+    shstrndx: int
+
+    @classmethod
+    def of(cls, data: bytes) -> _Elf:
+        """The header of data; ValueError for an unknown class or byte order, struct.error for one cut short."""
+        if len(data) < 6:
+            raise struct.error("no ELF identification")
+        # e_ident: the class (32 or 64 bits) at 4, the byte order at 5 (1 little-endian, 2 big-endian).
+        layout = _ELF_LAYOUT.get(data[4])
+        if layout is None or data[5] not in (1, 2):
+            raise ValueError("is an ELF binary of an unknown class or byte order")
+        order = "<" if data[5] == 1 else ">"
+        phoff, shoff, _flags, _ehsize, phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
+            order + layout[0], data, layout[1]
+        )
+        return cls(data, data[4], order, phoff, shoff, phentsize, phnum, shentsize, shnum, shstrndx)
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(p_type, p_offset, p_filesz) of every program header."""
+        _, _, offset_format, offset_at, size_format, size_at = _ELF_LAYOUT[self.elf_class]
+        found = []
+        for index in range(self.phnum):
+            entry = self.phoff + index * self.phentsize
+            (p_type,) = struct.unpack_from(self.order + "I", self.data, entry)
+            (offset,) = struct.unpack_from(self.order + offset_format, self.data, entry + offset_at)
+            (size,) = struct.unpack_from(self.order + size_format, self.data, entry + size_at)
+            found.append((p_type, offset, size))
+        return found
+
+    def section(self, wanted: str) -> bytes | None:
+        """The contents of the section named wanted, or None."""
+        if not self.shoff or self.shstrndx >= self.shnum:
+            return None
+        # sh_name (4 bytes), then sh_offset and sh_size: at 0x10/0x14 (32-bit) or 0x18/0x20 (64-bit).
+        word, offset_at, size_at = ("I", 0x10, 0x14) if self.elf_class == 1 else ("Q", 0x18, 0x20)
+
+        def header(index: int) -> tuple[int, int, int]:
+            at = self.shoff + index * self.shentsize
+            (name,) = struct.unpack_from(self.order + "I", self.data, at)
+            (offset,) = struct.unpack_from(self.order + word, self.data, at + offset_at)
+            (size,) = struct.unpack_from(self.order + word, self.data, at + size_at)
+            return name, offset, size
+
+        _, names_at, names_size = header(self.shstrndx)
+        names = self.data[names_at : names_at + names_size]
+        for index in range(self.shnum):
+            name, offset, size = header(index)
+            if names[name : names.find(b"\0", name)] == wanted.encode():
+                return self.data[offset : offset + size]
+        return None
+
+
 def _elf_problem(data: bytes) -> str | None:
     cut_short = "is an ELF binary cut short (half written?)"
-    if len(data) < 6:
-        return cut_short
-    # e_ident: the class (32 or 64 bits) at 4, the byte order at 5 (1 little-endian, 2 big-endian).
-    layout = _ELF_LAYOUT.get(data[4])
-    if layout is None or data[5] not in (1, 2):
-        return "is an ELF binary of an unknown class or byte order"
-    header_format, header_at, offset_format, offset_at, size_format, size_at = layout
-    order = "<" if data[5] == 1 else ">"
     try:
-        phoff, shoff, _flags, _ehsize, phentsize, phnum, shentsize, shnum, _shstrndx = struct.unpack_from(
-            order + header_format, data, header_at
-        )
-        ends = [shoff + shentsize * shnum if shoff else 0, phoff + phentsize * phnum]
-        for index in range(phnum):
-            entry = phoff + index * phentsize
-            (offset,) = struct.unpack_from(order + offset_format, data, entry + offset_at)
-            (size,) = struct.unpack_from(order + size_format, data, entry + size_at)
-            ends.append(offset + size)
+        elf = _Elf.of(data)
+        ends = [elf.shoff + elf.shentsize * elf.shnum if elf.shoff else 0, elf.phoff + elf.phentsize * elf.phnum]
+        ends += [offset + size for _, offset, size in elf.segments()]
+    except ValueError as unknown:
+        return str(unknown)
     except struct.error:
         return cut_short
     return cut_short if max(ends) > len(data) else None
@@ -135,30 +188,24 @@ class ExecutableTarget:
 
 def executable_target(data: bytes) -> ExecutableTarget:
     """The machine data runs on: read from the ELF header, its program interpreter and the agent's manifest
-    section; an empty target for anything but an ELF file. data must be a whole executable (executable_problem)."""
-    if not data.startswith(ELF_MAGIC) or len(data) < 0x40:
+    section; an empty target for anything but an ELF file, and no C library for an ELF file whose parts cannot be
+    read. data should be a whole executable (executable_problem)."""
+    if not data.startswith(ELF_MAGIC) or len(data) < 0x14:
         return ExecutableTarget()
-    elf_class, order = data[4], "<" if data[5] == 1 else ">"
-    header_format, header_at, offset_format, offset_at, size_format, size_at = _ELF_LAYOUT[elf_class]
-    (machine,) = struct.unpack_from(order + "H", data, 0x12)
-    arch = ELF_MACHINES.get(machine)
+    try:
+        elf = _Elf.of(data)
+    except (ValueError, struct.error):
+        return ExecutableTarget()
+    (machine,) = struct.unpack_from(elf.order + "H", data, 0x12)
+    arch = ELF_MACHINES.get(machine, f"ELF machine {machine}")
     if machine == _PPC64:
-        arch = "ppc64le" if order == "<" else "ppc64"
-    if arch is None:
-        arch = f"ELF machine {machine}"
-    phoff, shoff, _flags, _ehsize, phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
-        order + header_format, data, header_at
-    )
-    libc = "static"
-    for index in range(phnum):
-        entry = phoff + index * phentsize
-        (p_type,) = struct.unpack_from(order + "I", data, entry)
-        if p_type == _PT_INTERP:
-            (offset,) = struct.unpack_from(order + offset_format, data, entry + offset_at)
-            (size,) = struct.unpack_from(order + size_format, data, entry + size_at)
-            interpreter = data[offset : offset + size].rstrip(b"\0").decode(errors="replace")
-            libc = "musl" if "ld-musl" in interpreter else "glibc"
-    manifest = _section(data, order, elf_class, shoff, shentsize, shnum, shstrndx, MANIFEST_SECTION)
+        arch = "ppc64le" if elf.order == "<" else "ppc64"
+    try:
+        interpreters = [data[offset : offset + size] for p_type, offset, size in elf.segments() if p_type == _PT_INTERP]
+        manifest = elf.section(MANIFEST_SECTION)
+    except struct.error:
+        return ExecutableTarget(arch=arch)
+    libc = "static" if not interpreters else "musl" if b"ld-musl" in interpreters[0] else "glibc"
     glibc = unpacked_kib = None
     if manifest is not None:
         try:
@@ -169,31 +216,6 @@ def executable_target(data: bytes) -> ExecutableTarget:
         except (ValueError, AttributeError, KeyError, TypeError):
             pass
     return ExecutableTarget(arch=arch, libc=libc, glibc=glibc, unpacked_kib=unpacked_kib)
-
-
-def _section(
-    data: bytes, order: str, elf_class: int, shoff: int, shentsize: int, shnum: int, shstrndx: int, wanted: str
-) -> bytes | None:
-    """The contents of the ELF section named wanted, or None."""
-    if not shoff or shstrndx >= shnum:
-        return None
-    # sh_name (4 bytes), then sh_offset and sh_size: at 0x10/0x14 (32-bit) or 0x18/0x20 (64-bit).
-    word, offset_at, size_at = ("I", 0x10, 0x14) if elf_class == 1 else ("Q", 0x18, 0x20)
-
-    def header(index: int) -> tuple[int, int, int]:
-        at = shoff + index * shentsize
-        (name,) = struct.unpack_from(order + "I", data, at)
-        (offset,) = struct.unpack_from(order + word, data, at + offset_at)
-        (size,) = struct.unpack_from(order + word, data, at + size_at)
-        return name, offset, size
-
-    _, names_at, names_size = header(shstrndx)
-    names = data[names_at : names_at + names_size]
-    for index in range(shnum):
-        name, offset, size = header(index)
-        if names[name : names.find(b"\0", name)] == wanted.encode():
-            return data[offset : offset + size]
-    return None
 
 
 def sha256_hex(data: bytes) -> str:

@@ -47,6 +47,15 @@ def test_the_worker_reads_which_machine_an_executable_is_for():
     assert executable_target(b"#!/bin/sh\nexit 0\n").describe() == "a script (any architecture)"
 
 
+def test_a_damaged_elf_or_manifest_tells_less_and_never_fails():
+    assert executable_target(elf(62, manifest={"glibc": "two", "unpacked_kib": []})).describe() == "x86_64, glibc"
+    whole = elf(62, manifest={"glibc": "2.31", "unpacked_kib": "1"})
+    for cut in range(0, len(whole), 7):
+        target = executable_target(whole[:cut])
+        assert target.arch in (None, "x86_64"), cut
+    assert executable_target(b"\x7fELF\x09\x09" + bytes(80)).arch is None
+
+
 def facts(answer: str = GOOD_ANSWER, target_path: str = "/root/agent"):
     return parse_probe(answer, target_path)
 
