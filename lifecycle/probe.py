@@ -12,6 +12,7 @@ arguments: nothing a setting holds is ever spliced into shell code.
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
 from collections.abc import Sequence
@@ -195,7 +196,7 @@ def choose_agent(facts: MachineFacts, agents: Sequence[AgentExecutable]) -> Agen
     return f"the machine is {facts.describe()}; none of the {len(agents)} agent executables runs there ({described})"
 
 
-def where_to_unpack(facts: MachineFacts, agent: AgentExecutable, target_path: str) -> str | None:
+def where_to_unpack(facts: MachineFacts, agent: AgentExecutable) -> str | None:
     """Where the agent unpacks itself: None for the machine's temporary directory when it can take the agent (it
     is emptied at boot), else a directory beside the agent."""
     if agent.target.unpacked_kib is None:
@@ -203,11 +204,12 @@ def where_to_unpack(facts: MachineFacts, agent: AgentExecutable, target_path: st
     tmp = facts.tmp
     if tmp.state == "ok" and (tmp.free_kib is None or tmp.free_kib >= agent.target.unpacked_kib + SPARE_KIB):
         return None
-    return f"{target_path.rsplit('/', 1)[0]}/{FALLBACK_TMP_NAME}"
+    return posixpath.join(facts.target.path, FALLBACK_TMP_NAME)
 
 
-def directory_problem(facts: MachineFacts, agent: AgentExecutable, target_path: str, user: str) -> str | None:
-    """Why the agent cannot be uploaded to target_path and run there, in one sentence; None when it can."""
+def directory_problem(facts: MachineFacts, agent: AgentExecutable, user: str) -> str | None:
+    """Why the agent cannot be uploaded to the probed target directory and run there, in one sentence; None when it
+    can."""
     target = facts.target
     if target.state == "missing":
         return f"the directory {target.path} of the agent's target path does not exist"
@@ -216,7 +218,7 @@ def directory_problem(facts: MachineFacts, agent: AgentExecutable, target_path: 
     if target.state == "noexec":
         return f"{target.path} does not allow executing programs (mounted noexec?); set agent_target_path elsewhere"
     needed_kib = len(agent.data) // 1024 + SPARE_KIB
-    if where_to_unpack(facts, agent, target_path) is not None:
+    if where_to_unpack(facts, agent) is not None:
         assert agent.target.unpacked_kib is not None
         needed_kib += agent.target.unpacked_kib
     if target.free_kib is not None and target.free_kib < needed_kib:

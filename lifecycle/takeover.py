@@ -303,10 +303,10 @@ def _agent_for(
     chosen = choose_agent(facts, settings.agents)
     if isinstance(chosen, str):
         raise TakeoverError(TakeoverFailure.MACHINE_UNSUPPORTED, target, chosen)
-    problem = directory_problem(facts, chosen, settings.target_path, target.username)
+    problem = directory_problem(facts, chosen, target.username)
     if problem is not None:
         raise TakeoverError(TakeoverFailure.TARGET_UNUSABLE, target, problem)
-    return chosen, where_to_unpack(facts, chosen, settings.target_path)
+    return chosen, where_to_unpack(facts, chosen)
 
 
 async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_key: asyncssh.SSHKey) -> str:
