@@ -33,7 +33,7 @@ from agent.build import BuildError, build_agent_executable
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
-from foundation.executables import executable_target, sha256_hex
+from foundation.executables import AgentExecutable
 from foundation.settings import ENV_PREFIX, ProviderInstance, Settings, parse_endpoint
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import local_certificates
@@ -435,11 +435,7 @@ class DevStack:
             )
         except BuildError as error:
             raise DevError(f"cannot build the agent executable: {error}") from None
-        agent_bytes = agent.read_bytes()
-        self.say(
-            f"agent {agent}: {len(agent_bytes) / 2**20:.1f} MiB, sha256 {sha256_hex(agent_bytes)[:16]}, "
-            f"for {executable_target(agent_bytes).describe()}"
-        )
+        self.say(f"agent {agent}: {AgentExecutable.of(agent.read_bytes()).describe()}")
         if simulated:
             await self.start_simulator(settings, logs)
         else:
