@@ -12,10 +12,28 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from bmdb.schema import PROVIDED_STATUS_CREATING
-from bmdb.store import ProvidedMachine
 from providers import Availability, ProviderMachine
+
+
+class RecordedMachine(Protocol):
+    """A machine as BMDB records it, as far as the rule reads it (bmdb.store.ProvidedMachine is one)."""
+
+    @property
+    def machine_id(self) -> uuid.UUID: ...
+
+    @property
+    def provider_id(self) -> str: ...
+
+    @property
+    def being_created(self) -> bool: ...
+
+    @property
+    def missing(self) -> bool: ...
+
+    @property
+    def retired(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,7 @@ def resolve_availability(
 
 def plan_reconcile(
     provider_machines: Sequence[ProviderMachine],
-    bmdb_machines: Sequence[ProvidedMachine],
+    bmdb_machines: Sequence[RecordedMachine],
     *,
     max_machines: int,
     chunk_size: int,
@@ -116,7 +134,7 @@ def plan_reconcile(
             continue
         # A machine admitted but not yet created is free capacity to the
         # provider until its workflow creates it: that is no disagreement.
-        if record.status == PROVIDED_STATUS_CREATING and provider_id in unused:
+        if record.being_created and provider_id in unused:
             continue
         if provider_id in unused:
             problem = "BMDB has it as provided, the provider lists it as free capacity: find who released it there"

@@ -143,7 +143,7 @@ async def test_signature_checks_done_together_keep_each_verdict_with_its_request
 
 @pytest.mark.parametrize("url", ["postgresql+psycopg://u@h/db", "postgres://u@h/db", "postgresql://u@h/db?x=1"])
 def test_the_heartbeat_connection_takes_every_form_of_the_bmdb_url(url):
-    from bmdb.store import libpq_url
+    from bmdb.connection_errors import libpq_url
 
     assert libpq_url(url).startswith("postgresql://u@h/db")
 

@@ -1,0 +1,117 @@
+"""What the fleet watchdog reads: which machines it watches, which of them fell silent, and the log of each silence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, insert, literal, or_, select
+from sqlalchemy.dialects.postgresql import UUID
+
+from bmdb.base import StoreBase
+from bmdb.records import SilentMachine, WatchedMachines
+from bmdb.schema import events, machine_agent_heartbeat, machine_agent_started, machine_provided, recovery_holds
+
+
+class WatchdogQueries(StoreBase):
+    """The watchdog's rule and its counts."""
+
+    async def silent_machines(
+        self, provider: str, *, as_of: datetime, first_heartbeat_within: float, heartbeat_within: float
+    ) -> list[SilentMachine]:
+        """Machines whose agent needs recovery, in one set-based query (the seed's rule).
+
+        Silent: the agent started more than first_heartbeat_within seconds
+        before as_of and never sent a heartbeat, or its last heartbeat is more
+        than heartbeat_within seconds old.
+        """
+        never = machine_agent_heartbeat.c.machine_id.is_(None) & (
+            machine_agent_started.c.agent_started_at < as_of - timedelta(seconds=first_heartbeat_within)
+        )
+        stopped = machine_agent_heartbeat.c.agent_heartbeat_at < as_of - timedelta(seconds=heartbeat_within)
+        query = (
+            select(
+                machine_provided.c.machine_id,
+                machine_provided.c.provider_id,
+                machine_agent_started.c.agent_started_at,
+                machine_agent_started.c.agent_public_key,
+                machine_agent_heartbeat.c.agent_heartbeat_at,
+            )
+            .select_from(
+                machine_provided.join(
+                    machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
+                ).outerjoin(
+                    machine_agent_heartbeat, machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id
+                )
+            )
+            .where(*_watched(provider), or_(never, stopped))
+            .order_by(machine_provided.c.provider_id)
+        )
+        async with self.engine.connect() as conn:
+            return [
+                SilentMachine(
+                    r.machine_id, r.provider_id, r.agent_started_at, r.agent_heartbeat_at, bytes(r.agent_public_key)
+                )
+                for r in await conn.execute(query)
+            ]
+
+    async def watched_machines(self, provider: str) -> WatchedMachines:
+        """How many of the provider's machines have an agent to watch, when BMDB last accepted a heartbeat, and
+        when the provider's last hold of recoveries ended."""
+        watched = (
+            select(func.count())
+            .select_from(
+                machine_provided.join(
+                    machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
+                )
+            )
+            .where(*_watched(provider))
+        )
+        hold = select(recovery_holds.c.ended_at).where(recovery_holds.c.provider == provider)
+        async with self.engine.connect() as conn:
+            count = int(await conn.scalar(watched) or 0)
+            newest = await conn.scalar(select(func.max(machine_agent_heartbeat.c.agent_heartbeat_at)))
+            row = (await conn.execute(hold)).first()
+            ended = None if row is None else row.ended_at
+            return WatchedMachines(count, newest, row is not None and ended is None, ended)
+
+    async def record_heartbeats_lost(self, machines: Sequence[SilentMachine]) -> int:
+        """A ``heartbeat_lost`` event for each machine, once per agent: a machine the watchdog finds silent again
+        in the next pass, before its recovery, gets none. Returns how many were written."""
+        written = 0
+        async with self.engine.begin() as conn:
+            for machine in machines:
+                logged = (
+                    select(events.c.event_id)
+                    .where(
+                        events.c.machine_id == machine.machine_id,
+                        events.c.kind == "heartbeat_lost",
+                        events.c.at >= machine.agent_started_at,
+                    )
+                    .exists()
+                )
+                row = select(
+                    literal(machine.machine_id, UUID(as_uuid=True)),
+                    literal("heartbeat_lost"),
+                    literal(f"{machine.cause()}: the watchdog asks for a recovery"),
+                ).where(~logged)
+                inserted = await conn.execute(
+                    insert(events).from_select(["machine_id", "kind", "detail"], row).returning(events.c.event_id)
+                )
+                written += len(inserted.all())
+        return written
+
+
+def _watched(provider: str) -> tuple[Any, ...]:
+    """The watchdog's rule of which of the provider's machines it watches: those with an agent started (the
+    queries join it), except a machine its provider no longer lists (it cannot be rebooted through it: it is
+    reported, not recovered), a quarantined one (it waits for an operator; its silence is known and counts for no
+    hold), one in maintenance, and a retired one."""
+    return (
+        machine_provided.c.provider == provider,
+        machine_provided.c.missing_since.is_(None),
+        machine_provided.c.quarantined_since.is_(None),
+        machine_provided.c.maintenance_since.is_(None),
+        machine_provided.c.retired_at.is_(None),
+    )
