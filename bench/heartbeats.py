@@ -72,7 +72,8 @@ from bmdb.store import BMDB, RECORD_HEARTBEATS
 from foundation.procfs import children_of
 from foundation.settings import Settings
 from foundation.tls import local_certificates
-from processes.heartbeat_server import HeartbeatService, build_server
+from processes.heartbeat_server import build_server
+from processes.heartbeat_service import HeartbeatService
 from proto import agent_api_pb2, agent_api_pb2_grpc
 from proto.signing import NONCE_SIZE, signing_payload
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
@@ -114,3 +115,23 @@ class _ActivityLogContext(ActivityInboundInterceptor):
             return await super().execute_activity(input)
         finally:
             _machine_context.reset(token)
+
+
+class ThrottledLog:
+    """Logs one line a kind every `every` seconds, with how many lines it stands for: for what may come in floods
+    (junk from the network, an outage's errors), where each occurrence is counted in a metric besides."""
+
+    def __init__(self, logger: logging.Logger, every: float) -> None:
+        self.logger, self.every = logger, every
+        # Kind -> (when last logged, how many since).
+        self._logged: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, level: int, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        last, unlogged = self._logged.get(kind, (float("-inf"), 0))
+        if now - last < self.every:
+            self._logged[kind] = (last, unlogged + 1)
+            return
+        self._logged[kind] = (now, 0)
+        more = f"; {unlogged} more since the last line" if unlogged else ""
+        self.logger.log(level, message + "%s", *args, more)

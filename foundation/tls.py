@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -20,8 +22,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import NameOID
 
-from foundation.files import ReloadedFile, replace_file
+from foundation.files import FileChanges, ReloadedFile, replace_file
 from foundation.settings import SettingsError
+
+log = logging.getLogger("shepherd.tls")
 
 
 @dataclass(frozen=True)
@@ -255,3 +259,76 @@ def bmdb_client_certificate_path(database_url: str) -> Path | None:
     """The client certificate a BMDB URL names (libpq's sslcert), or None when it names none."""
     given = parse_qs(urlsplit(database_url).query).get("sslcert")
     return Path(given[-1]) if given and given[-1] else None
+
+
+# A renewed certificate that is not valid yet is taken this long after its validity begins: a client whose clock
+# is a little behind (or reads the time coarsely) would refuse it a moment earlier.
+NOT_BEFORE_MARGIN = 60.0
+
+
+class ReloadedKeyPair:
+    """A certificate chain and its private key, read again whenever either file changes on disk.
+
+    While nothing changed, a look costs two stat calls. A new pair that cannot be used (a file half written, a key
+    that is not the certificate's, a certificate expired) is logged once a change, naming the file, and the pair
+    before it is used on; one not valid yet is taken not_before_margin after its validity begins. At start there
+    is no pair before: CertificateProblem. Looks may come from several threads.
+    """
+
+    def __init__(
+        self, certificate_path: Path, key_path: Path, *, what: str, not_before_margin: float = NOT_BEFORE_MARGIN
+    ) -> None:
+        self.certificate_path, self.key_path, self.what = certificate_path, key_path, what
+        self.not_before_margin = datetime.timedelta(seconds=not_before_margin)
+        self._lock = threading.Lock()
+        # Stat'ed before the first read, so that a write after it is read at the next look.
+        self._files = FileChanges(certificate_path, key_path)
+        # At start there is no pair before to use meanwhile: one valid now is taken.
+        self.chain, self.pems = self._read(datetime.timedelta(0))
+        # When a certificate that was not valid yet is given another try; None: only when a file changes.
+        self._retry_at: datetime.datetime | None = None
+
+    def look(self) -> bool:
+        """Read the pair again if a file changed (or one not valid yet may be now); True when a new pair is taken."""
+        with self._lock:
+            return self._reload_if_changed()
+
+    def current(self) -> list[x509.Certificate]:
+        """The chain in use, the files looked at first."""
+        with self._lock:
+            self._reload_if_changed()
+            return self.chain
+
+    def _read(self, not_before_margin: datetime.timedelta) -> tuple[list[x509.Certificate], tuple[bytes, bytes]]:
+        certificate, key = read_pem(self.certificate_path), read_pem(self.key_path)
+        chain = load_key_pair(
+            certificate, key, str(self.certificate_path), str(self.key_path), not_before_margin=not_before_margin
+        )
+        return chain, (certificate, key)
+
+    def _reload_if_changed(self) -> bool:
+        # Looked at before reading: a write after the read changes what the next look sees, and is read then.
+        changed = self._files.look()
+        retry = self._retry_at is not None and datetime.datetime.now(datetime.UTC) >= self._retry_at
+        if not changed and not retry:
+            return False
+        self._retry_at = None
+        try:
+            chain, pems = self._read(self.not_before_margin)
+        except CertificateProblem as problem:
+            if isinstance(problem, NotValidYet):
+                self._retry_at = problem.valid_from
+            log.warning("%s not reloaded, the one before is used on: %s", self.what, problem)
+            return False
+        if pems == self.pems:
+            return False  # touched or copied over with the same contents
+        self.chain, self.pems = chain, pems
+        leaf = chain[0]
+        log.info(
+            "%s reloaded from %s: serial %x, valid until %s UTC",
+            self.what,
+            self.certificate_path,
+            leaf.serial_number,
+            f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M}",
+        )
+        return True

@@ -25,7 +25,8 @@ from foundation.settings import Settings
 from foundation.tls import local_certificates
 from lifecycle.contracts import FleetPassResult, MachineStage, MachineStatus, fleet_schedule_id, machine_workflow_id
 from lifecycle.inputs import fleet_input
-from processes.heartbeat_server import HeartbeatService, build_server
+from processes.heartbeat_server import build_server
+from processes.heartbeat_service import HeartbeatService
 from processes.worker import serving
 from simulator import Faults, Simulator, SimulatorConfig
 from workflows.fleet import FleetWorkflow

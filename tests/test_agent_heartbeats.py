@@ -30,7 +30,8 @@ from agent.reference import LOG_FILE, STATE_DIR_VARIABLE
 from bmdb.store import BMDB
 from foundation.procfs import processes_with_variable
 from foundation.tls import local_certificates
-from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
+from processes.heartbeat_server import SERVICE, build_server
+from processes.heartbeat_service import HeartbeatService
 from proto import agent_api_pb2, takeover_pb2
 from tests.processes import kill_processes_mentioning, process_trees
 

@@ -52,7 +52,8 @@ from foundation.tls import (
     subject_alternative_name,
 )
 from lifecycle.takeover import TakeoverSettings, takeover_init
-from processes.heartbeat_server import HeartbeatService, ServingCertificate, build_server, run_heartbeat_server
+from processes.heartbeat_server import ServingCertificate, build_server, run_heartbeat_server
+from processes.heartbeat_service import HeartbeatService
 from processes.worker import watch_certificates
 from proto import agent_api_pb2_grpc, takeover_pb2
 from tests.processes import kill_processes_mentioning

@@ -26,7 +26,8 @@ from bmdb import migrate
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.tls import CertificateAuthority, subject_alternative_name
-from processes.heartbeat_server import HeartbeatService, build_server
+from processes.heartbeat_server import build_server
+from processes.heartbeat_service import HeartbeatService
 from processes.worker import ensure_fleet_schedules
 from shepherd.commands.dev import AGENT_ENDPOINT
 from shepherd.commands.doctor import (

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from bmdb.store import BMDB
 from foundation.settings import Settings, SettingsError
 from lifecycle.takeover import MAX_TEXT, TakeoverError, TakeoverTarget, _parse_reply, machine_text, machine_warnings
-from processes.heartbeat_server import HeartbeatRejected, HeartbeatService
+from processes.heartbeat_service import HeartbeatRejected, HeartbeatService
 from proto import agent_api_pb2, takeover_pb2
 from providers.static import InventoryError, load_inventory
 

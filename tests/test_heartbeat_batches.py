@@ -17,8 +17,9 @@ from agent.heartbeat import signed_heartbeat
 from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.settings import Settings
-from processes import heartbeat_server
-from processes.heartbeat_server import HeartbeatRejected, HeartbeatService, run_heartbeat_server
+from processes import heartbeat_auth
+from processes.heartbeat_server import run_heartbeat_server
+from processes.heartbeat_service import HeartbeatRejected, HeartbeatService
 from proto import agent_api_pb2_grpc
 
 
@@ -134,7 +135,7 @@ async def test_a_server_loads_the_agents_keys_at_start_and_reads_none_for_them(b
 async def test_signature_checks_done_together_keep_each_verdict_with_its_request(bmdb):
     key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-    checks = heartbeat_server.SignatureChecks()
+    checks = heartbeat_auth.SignatureChecks()
     requests = [signed_heartbeat(str(uuid.uuid4()), key if n % 3 else other) for n in range(30)]
     verdicts = await asyncio.gather(*(checks.signed_by(public, request) for request in requests))
     assert verdicts == [n % 3 != 0 for n in range(30)]

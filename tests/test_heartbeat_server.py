@@ -18,8 +18,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
 from foundation.tls import local_certificates
-from processes import heartbeat_server
-from processes.heartbeat_server import SERVICE, HeartbeatService, build_server
+from processes import heartbeat_auth, heartbeat_service
+from processes.heartbeat_server import SERVICE, build_server
+from processes.heartbeat_service import HeartbeatService
 from proto import SERVER_TIME_METADATA, agent_api_pb2, agent_api_pb2_grpc
 
 
@@ -260,7 +261,7 @@ class Costs:
 def counted_costs(bmdb: BMDB, monkeypatch: pytest.MonkeyPatch, read_delay: float = 0.0) -> Costs:
     costs = Costs([], [])
     read = bmdb.agent_public_key
-    signed_by = heartbeat_server._signed_by
+    signed_by = heartbeat_auth._signed_by
 
     async def counted_read(machine_id: uuid.UUID) -> bytes | None:
         costs.reads.append(machine_id)
@@ -272,7 +273,7 @@ def counted_costs(bmdb: BMDB, monkeypatch: pytest.MonkeyPatch, read_delay: float
         return signed_by(key, request)
 
     monkeypatch.setattr(bmdb, "agent_public_key", counted_read)
-    monkeypatch.setattr(heartbeat_server, "_signed_by", counted_verification)
+    monkeypatch.setattr(heartbeat_auth, "_signed_by", counted_verification)
     return costs
 
 
@@ -286,7 +287,7 @@ async def test_a_flood_of_unknown_ids_costs_one_bmdb_read_an_interval_and_a_veri
         error = await rejected(endpoint, signed_heartbeat(str(stranger), agent.key))
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     assert reads == [stranger], "BMDB is asked once an interval about an id it does not know"
-    assert len(verified) == 20 and set(verified) == {heartbeat_server._DUMMY_KEY}, "verified like a wrong key"
+    assert len(verified) == 20 and set(verified) == {heartbeat_auth.DUMMY_KEY}, "verified like a wrong key"
     # The machine's own agent is not held up by the strangers.
     await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
     assert await heartbeat_at(bmdb, agent.machine_id) is not None
@@ -351,7 +352,7 @@ async def test_every_refusal_costs_one_check_and_one_read_or_the_time_of_one(bmd
     async def refused(machine_id: uuid.UUID, key: Ed25519PrivateKey) -> tuple[int, list[bytes], list[float]]:
         for seen in (reads, verified, waits):
             seen.clear()
-        with pytest.raises(heartbeat_server.HeartbeatRejected) as caught:
+        with pytest.raises(heartbeat_service.HeartbeatRejected) as caught:
             await service.check_and_record(signed_heartbeat(str(machine_id), key).SerializeToString())
         assert caught.value.result == "unauthenticated"
         return len(reads), list(verified), list(waits)
@@ -361,9 +362,9 @@ async def test_every_refusal_costs_one_check_and_one_read_or_the_time_of_one(bmd
         "a wrong key on a real id: its cached key checked, BMDB read, and no second check of the same key"
     )
     stranger = uuid.uuid4()
-    assert await refused(stranger, agent.key) == (1, [heartbeat_server._DUMMY_KEY], [])
+    assert await refused(stranger, agent.key) == (1, [heartbeat_auth.DUMMY_KEY], [])
     reads_, verified_, waits_ = await refused(stranger, agent.key)
-    assert (reads_, verified_) == (0, [heartbeat_server._DUMMY_KEY]), "not read again, still checked"
+    assert (reads_, verified_) == (0, [heartbeat_auth.DUMMY_KEY]), "not read again, still checked"
     assert waits_ == [service.key_read_time.seconds] and service.key_read_time.seconds >= 0.05, (
         "answered after as long as a BMDB read takes"
     )
@@ -376,7 +377,7 @@ async def test_a_stand_in_asks_less_when_its_waits_last_longer_than_asked():
         asked.append(seconds)
         await asyncio.sleep(seconds + 0.002)
 
-    stand_in = heartbeat_server.StandIn(late_sleep)
+    stand_in = heartbeat_auth.StandIn(late_sleep)
     stand_in.add(0.004)
     for _ in range(40):
         await stand_in.wait()

@@ -21,15 +21,8 @@ from agent.heartbeat import signed_heartbeat
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.tls import local_certificates
-from processes.heartbeat_server import (
-    NOT_ACCEPTED,
-    SERVICE,
-    STOPPING,
-    TOO_MANY_STREAMS,
-    HeartbeatService,
-    build_server,
-    run_heartbeat_server,
-)
+from processes.heartbeat_server import SERVICE, build_server, run_heartbeat_server
+from processes.heartbeat_service import NOT_ACCEPTED, STOPPING, TOO_MANY_STREAMS, HeartbeatService
 from proto import STREAM_REFUSED_METADATA, agent_api_pb2, agent_api_pb2_grpc
 
 Outcome = agent_api_pb2.HeartbeatResponse.Outcome
