@@ -20,6 +20,7 @@ from lifecycle.contracts import (
     QuarantineInput,
     RebootInput,
     RebootResult,
+    RecoveryKind,
     StuckInput,
 )
 from lifecycle.takeover import wait_until_booted
@@ -48,7 +49,7 @@ class RecoveryActivities:
                 "%s machine %s: recovery cycle %s rebooted it already", input.provider, input.provider_id, input.cycle
             )
             return RebootResult(went_down=True, detail=f"rebooted already in recovery cycle {input.cycle}")
-        cause = _cause_label(input.cause)
+        cause = _cause_label(input.kind)
         try:
             async with provider_errors():
                 rebooted = await self.deps.provider(input.provider).reboot_machine(input.provider_id)
@@ -139,6 +140,8 @@ class RecoveryActivities:
         await self.deps.bmdb.forget_agent(uuid.UUID(input.machine_id), f"rebooted: {input.cause}")
 
 
-def _cause_label(cause: str) -> str:
-    """The metric label of a recovery's reason: heartbeat_lost or forced."""
-    return cause.partition(":")[0].replace(" ", "_")
+def _cause_label(kind: RecoveryKind | None) -> str:
+    """The metric label of a recovery's kind: heartbeat_lost or forced (an operator's, however asked)."""
+    if kind is None:
+        return "unknown"  # a reboot scheduled by a workflow older than the kind
+    return "heartbeat_lost" if kind is RecoveryKind.HEARTBEAT_LOST else "forced"

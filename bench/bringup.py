@@ -68,6 +68,7 @@ from bench.heartbeats import postgres_cpu_seconds, process_cpu_seconds
 from foundation.procfs import children_of
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from foundation.temporal_payloads import DATA_CONVERTER
 from proto import takeover_pb2
 from providers import ProviderMachine
 from providers.sim import SimProvider
@@ -219,6 +220,7 @@ async def measure_shepherd(
         dev_server_existing_path=temporal_cli(),
         search_attributes=SEARCH_ATTRIBUTES,
         dev_server_log_level="error",
+        data_converter=DATA_CONVERTER,
         dev_server_extra_args=[arg for value in dynamic_config for arg in ("--dynamic-config-value", value)],
     )
     try:

@@ -73,6 +73,7 @@ from agent.build import build_agent_executable
 from bmdb.local_postgres import LocalPostgres
 from foundation.procfs import process_environments, processes_mentioning
 from foundation.settings import ENV_PREFIX, Settings
+from foundation.temporal_payloads import DATA_CONVERTER
 from foundation.tls import local_certificates
 from lifecycle.contracts import MachineStage, machine_workflow_id
 from proto import AGENT_MAX_RETRY_INTERVAL
@@ -437,7 +438,7 @@ class Stack:
             await asyncio.sleep(0.5)
 
     async def connect_temporal(self) -> None:
-        client = await Client.connect(f"127.0.0.1:{self.ports.temporal}")
+        client = await Client.connect(f"127.0.0.1:{self.ports.temporal}", data_converter=DATA_CONVERTER)
         await client.count_workflows()
         self._client = client
 

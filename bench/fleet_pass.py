@@ -27,6 +27,7 @@ from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
 from foundation.settings import ProviderInstance, Settings
 from foundation.ssh_identity import public_key_openssh
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import (
     RUNNING_MACHINES,
     SEARCH_ATTRIBUTES,
@@ -219,6 +220,7 @@ async def passes(url: str, tmp: Path, sizes: list[int], cap: int) -> list[Sizes]
         dev_server_existing_path=str(Path(sys.executable).parent / "temporal"),
         search_attributes=SEARCH_ATTRIBUTES,
         dev_server_log_level="error",
+        data_converter=DATA_CONVERTER,
     )
     bmdb = BMDB(url)
     key = asyncssh.generate_private_key("ssh-ed25519")

@@ -37,6 +37,7 @@ from bench.heartbeats import peak_rss_mib, status_mib
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from foundation.settings import Settings
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import (
     MACHINE_STAGE,
     MACHINE_WORKFLOW_TYPE,
@@ -45,6 +46,7 @@ from lifecycle.contracts import (
     AgentFacts,
     MachineInput,
     MachineStage,
+    MachineStatus,
     initial_search_attributes,
     machine_workflow_id,
 )
@@ -65,15 +67,17 @@ class Reading:
 
 
 def watching_input(settings: Settings, n: int) -> MachineInput:
-    return MachineInput(
+    provider_id, machine_id = f"node-{n:06d}", str(uuid.uuid4())
+    watching = MachineStatus(
+        machine_id=machine_id,
         provider=PROVIDER,
-        provider_id=f"node-{n:06d}",
-        machine_id=str(uuid.uuid4()),
-        policy=lifecycle_policy(settings),
-        resume_stage=MachineStage.WATCHING,
+        provider_id=provider_id,
+        stage=MachineStage.WATCHING,
+        stage_since="",
         address=f"10.1.{n // 250}.{n % 250 + 1}",
         agent=AgentFacts(started_at=datetime.now(UTC).isoformat(), key_fingerprint="SHA256:bench", warnings=[]),
     )
+    return MachineInput(PROVIDER, provider_id, machine_id, lifecycle_policy(settings), status=watching)
 
 
 async def start_watching(client: Client, settings: Settings, first: int, last: int) -> None:
@@ -99,7 +103,10 @@ async def all_watching(client: Client, count: int, worker: asyncio.subprocess.Pr
 
 async def measure(tmp: Path, database_url: str, sizes: list[int], cache: int) -> list[Reading]:
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_cli(), search_attributes=SEARCH_ATTRIBUTES, dev_server_log_level="error"
+        dev_server_existing_path=temporal_cli(),
+        search_attributes=SEARCH_ATTRIBUTES,
+        dev_server_log_level="error",
+        data_converter=DATA_CONVERTER,
     )
     settings = Settings(
         temporal_address=env.client.service_client.config.target_host,

@@ -16,6 +16,7 @@ from temporalio.service import RPCError
 
 from foundation.settings import Settings
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
+from foundation.temporal_payloads import DATA_CONVERTER
 
 
 class StartupError(Exception):
@@ -33,7 +34,7 @@ async def connect_temporal(
     except TemporalConfigError as error:
         raise StartupError(str(error)) from None
     try:
-        return await Client.connect(**arguments, runtime=runtime or Runtime.default())
+        return await Client.connect(**arguments, runtime=runtime or Runtime.default(), data_converter=DATA_CONVERTER)
     except Exception as error:
         raise StartupError(
             f"cannot reach Temporal at {connection.address} ({connection.source('address')}), "

@@ -6,6 +6,7 @@ addresses and small facts only, never a key or an executable.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -99,8 +100,142 @@ class HeartbeatLost:
     A workflow whose agent has changed since the watchdog read BMDB (a recovery finished in between) ignores it.
     """
 
-    cause: str
-    agent_key_fingerprint: str
+    cause: str = "no detail"
+    # None from watchdogs older than this field, which sent the cause alone.
+    agent_key_fingerprint: str | None = None
+
+    @classmethod
+    def from_wire(cls, value: object) -> HeartbeatLost:
+        """From the signal's JSON: this dataclass, or the cause alone as older watchdogs sent it."""
+        if isinstance(value, dict):
+            agent = value.get("agent_key_fingerprint")
+            return cls(_text(value.get("cause"), 1000) or "no detail", agent if isinstance(agent, str) else None)
+        return cls(_text(value, 1000) or "no detail")
+
+
+def _text(value: object, limit: int) -> str:
+    """A text field of a message as sent, stripped and cut to limit characters; "" when it is no string."""
+    return value.strip()[:limit] if isinstance(value, str) else ""
+
+
+def _operator(value: object) -> str:
+    """Who asked, as a message says; "unknown" when it does not."""
+    return _text(value, 100) or "unknown"
+
+
+class RecoveryKind(enum.StrEnum):
+    """Who asked for a recovery, which decides whether the recovery budget counts it."""
+
+    # The fleet watchdog found the agent silent.
+    HEARTBEAT_LOST = "heartbeat_lost"
+    # An operator's force_recover: never counted against the budget, and it releases a quarantined machine.
+    FORCED = "forced"
+    # An operator ended a maintenance asking for a reboot: as forced.
+    MAINTENANCE_OVER = "maintenance_over"
+
+
+@dataclass(frozen=True)
+class RecoveryRequest:
+    """A recovery asked for: force_recover's argument (``{"reason": "disk errors", "by": "alice"}``), and the
+    recovery a machine's status keeps until it begins."""
+
+    reason: str = "no reason given"
+    by: str = "unknown"
+    kind: RecoveryKind = RecoveryKind.FORCED
+
+    @property
+    def by_an_operator(self) -> bool:
+        return self.kind is not RecoveryKind.HEARTBEAT_LOST
+
+    def describe(self) -> str:
+        """The recovery in one line, as the status, the event log and the reboot's cause say it."""
+        if self.kind is RecoveryKind.HEARTBEAT_LOST:
+            return f"heartbeat lost: {self.reason}"
+        if self.kind is RecoveryKind.MAINTENANCE_OVER:
+            return f"forced: maintenance over, reboot asked by {self.by}: {self.reason}"
+        return f"forced: {self.reason}" + ("" if self.by == "unknown" else f" (by {self.by})")
+
+    @classmethod
+    def from_wire(cls, value: object) -> RecoveryRequest:
+        """From any JSON: a malformed force_recover still means "recover", so nothing here refuses.
+
+        A string is an operator's bare reason, or the line a status kept before recoveries had a kind.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            kind = value.get("kind")
+            return cls(
+                reason=_text(value.get("reason"), 1000) or _unreadable(value),
+                by=_operator(value.get("by")),
+                kind=RecoveryKind(kind) if kind in tuple(RecoveryKind) else RecoveryKind.FORCED,
+            )
+        if isinstance(value, str):
+            for kind, prefix in ((RecoveryKind.HEARTBEAT_LOST, "heartbeat lost: "), (RecoveryKind.FORCED, "forced: ")):
+                if value.startswith(prefix):
+                    return cls(reason=value[len(prefix) :], kind=kind)
+            return cls(reason=_text(value, 1000) or "no reason given")
+        return cls(reason=_unreadable(value))
+
+
+def _unreadable(value: object) -> str:
+    return f"unreadable reason {str(value)[:100]!r}"
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    """The argument of release, decommission, restart_agent and retry_now: ``{"reason": ..., "by": ...}``."""
+
+    reason: str = ""
+    by: str = "unknown"
+
+    def require_reason(self, why: str) -> None:
+        """ValueError, asking why, when the request gives no reason."""
+        if not self.reason:
+            raise ValueError(f'say why {why}: {{"reason": "...", "by": "..."}}')
+
+    @classmethod
+    def from_wire(cls, value: object) -> OperatorRequest:
+        """From the JSON an operator sent: this dataclass, or the reason alone."""
+        if isinstance(value, dict):
+            return cls(_text(value.get("reason"), 500), _operator(value.get("by")))
+        return cls(_text(value, 500))
+
+
+@dataclass(frozen=True)
+class MaintenanceRequest:
+    """set_maintenance's argument: ``{"on": true, "reason": ..., "by": ...}`` begins a maintenance,
+    ``{"on": false, "recover": false}`` ends it, with a reboot when recover is true."""
+
+    # None when the request did not say, which check refuses.
+    on: bool | None = None
+    reason: str = ""
+    by: str = "unknown"
+    recover: bool | None = False
+
+    def check(self) -> MaintenanceRequest:
+        """The request as it is carried out (an end's reason filled in); ValueError naming what is wrong."""
+        if self.on is None:
+            raise ValueError('give {"on": true, "reason": "...", "by": "..."} or {"on": false, "recover": false}')
+        if self.recover is None or (self.recover and self.on):
+            raise ValueError('"recover" (a reboot once maintenance ends) goes with "on": false, as true or false')
+        if not self.reason:
+            if self.on:
+                raise ValueError("say why the machine goes into maintenance: a reason")
+            return dataclasses.replace(self, reason="maintenance done")
+        return self
+
+    @classmethod
+    def from_wire(cls, value: object) -> MaintenanceRequest:
+        if not isinstance(value, dict):
+            return cls()
+        on, recover = value.get("on"), value.get("recover", False)
+        return cls(
+            on=on if isinstance(on, bool) else None,
+            reason=_text(value.get("reason"), 500),
+            by=_operator(value.get("by")),
+            recover=recover if isinstance(recover, bool) else None,
+        )
 
 
 FORCE_RECOVER_SIGNAL = "force_recover"
@@ -311,16 +446,6 @@ class AgentFacts:
 
 
 @dataclass
-class StepProgress:
-    """A failing step carried into a new run: its attempts, since when its stage lasts, its last error, its flag."""
-
-    attempts: int
-    stage_since: str
-    last_error: str | None = None
-    stuck: Stuck | None = None
-
-
-@dataclass
 class MachineInput:
     """Input of MachineWorkflow, from the fleet activities that start it or from its own continue-as-new."""
 
@@ -328,20 +453,8 @@ class MachineInput:
     provider_id: str
     machine_id: str
     policy: LifecyclePolicy
-    # Set when the workflow continues as new: where to pick up.
-    resume_stage: MachineStage | None = None
-    address: str | None = None
-    agent: AgentFacts | None = None
-    recovery_count: int = 0
-    last_recovery_reason: str | None = None
-    # The recent recoveries the budget counts, oldest first.
-    recent_recoveries: list[RecoveryRecord] = field(default_factory=list)
-    # What operators asked of the machine lately, oldest first.
-    recent_actions: list[OperatorAction] = field(default_factory=list)
-    # Set when a step that keeps failing continues as new, to keep its history short: where it stands, and a
-    # recovery asked for meanwhile, which waits for the agent.
-    step: StepProgress | None = None
-    recovery_requested: str | None = None
+    # The status the run before handed on (MachineStatus.handed_on); None for a machine's first run.
+    status: MachineStatus | None = None
     # Set when an operator's restart_agent continues the workflow as new: the key fingerprint of the agent that
     # still runs, which the takeover replaces rather than takes for an earlier attempt's.
     replace_agent: str | None = None
@@ -349,6 +462,54 @@ class MachineInput:
     # begins it at its first safe point.
     maintenance: Maintenance | None = None
     decommission: Decommission | None = None
+
+    @classmethod
+    def upgrade_wire(cls, value: object) -> object:
+        """An input of the shape Shepherds wrote before the status was handed on whole, in today's shape.
+
+        Those carried the status's fields one by one beside the machine's (resume_stage, address, agent, the
+        recovery counts and records, the operator actions, a failing step's progress, a pending recovery).
+        """
+        if not isinstance(value, dict) or "resume_stage" not in value:
+            return value
+        older = dict(value)
+        carried = {name: older.pop(name, None) for name in _FIELDS_CARRIED_ONE_BY_ONE}
+        stage = carried["resume_stage"]
+        if stage is None:
+            return older  # a first run
+        step = carried["step"] if isinstance(carried["step"], dict) else {}
+        older["status"] = {
+            "machine_id": older.get("machine_id"),
+            "provider": older.get("provider"),
+            "provider_id": older.get("provider_id"),
+            "stage": stage,
+            "stage_since": step.get("stage_since", ""),
+            "attempts": step.get("attempts", 0),
+            "last_error": step.get("last_error"),
+            "stuck": step.get("stuck"),
+            "address": carried["address"],
+            "agent": carried["agent"],
+            "recovery_count": carried["recovery_count"] or 0,
+            "last_recovery_reason": carried["last_recovery_reason"],
+            "recent_recoveries": carried["recent_recoveries"] or [],
+            "actions": carried["recent_actions"] or [],
+            "recovery_requested": carried["recovery_requested"],
+        }
+        return older
+
+
+# What MachineInput carried one by one before it carried the status whole.
+_FIELDS_CARRIED_ONE_BY_ONE = (
+    "resume_stage",
+    "address",
+    "agent",
+    "recovery_count",
+    "last_recovery_reason",
+    "recent_recoveries",
+    "recent_actions",
+    "step",
+    "recovery_requested",
+)
 
 
 @dataclass
@@ -359,6 +520,7 @@ class MachineStatus:
     provider: str
     provider_id: str
     stage: MachineStage
+    # Since when the machine is in its stage; "" in a status handed on to a run whose stage begins with the run.
     stage_since: str
     # Attempts of the current stage's step; 0 once it succeeded.
     attempts: int = 0
@@ -369,7 +531,7 @@ class MachineStatus:
     recovery_count: int = 0
     last_recovery_reason: str | None = None
     # A recovery asked for and not yet begun (it waits for the agent to be started).
-    recovery_requested: str | None = None
+    recovery_requested: RecoveryRequest | None = None
     # Recovery requests that arrived while one was pending or running.
     recovery_requests_coalesced: int = 0
     # Since when the workflow waits for the rebooted machine to answer SSH.
@@ -381,6 +543,33 @@ class MachineStatus:
     decommission: Decommission | None = None
     # The last operator actions, oldest first, across the workflow's runs.
     actions: list[OperatorAction] = field(default_factory=list)
+
+    def handed_on(self, stage: MachineStage, *, failing_step: bool = False) -> MachineStatus:
+        """This status as the next run (continue-as-new) begins with it: the machine at stage, with what the status
+        keeps across runs (its address and agent, its recoveries, the operators' actions).
+
+        What belongs to this run alone stays behind: the next attempt's time, a boot wait, the coalesced requests,
+        a quarantine, maintenance or decommission shown. failing_step: the stage's step goes on failing in the
+        next run, which keeps its attempts, its last error, its stuck flag and a recovery asked meanwhile;
+        otherwise the stage begins afresh with the next run.
+        """
+        handed = dataclasses.replace(
+            self,
+            stage=stage,
+            next_attempt_at=None,
+            waiting_for_boot_since=None,
+            recovery_requests_coalesced=0,
+            quarantine=None,
+            maintenance=None,
+            decommission=None,
+            recent_recoveries=list(self.recent_recoveries),
+            actions=list(self.actions),
+        )
+        if failing_step:
+            return handed
+        return dataclasses.replace(
+            handed, stage_since="", attempts=0, last_error=None, stuck=None, recovery_requested=None
+        )
 
 
 @dataclass(frozen=True)
@@ -425,6 +614,8 @@ class RebootInput:
     cause: str
     # The recovery cycle (the workflow run) the reboot belongs to: a cycle reboots once.
     cycle: str = ""
+    # None from workflows older than this field.
+    kind: RecoveryKind | None = None
 
 
 @dataclass(frozen=True)

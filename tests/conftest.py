@@ -25,6 +25,7 @@ from temporalio.testing import WorkflowEnvironment
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import SEARCH_ATTRIBUTES
 
 BIN = Path(sys.executable).parent
@@ -77,6 +78,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         dev_server_existing_path=str(BIN / "temporal"),
         search_attributes=SEARCH_ATTRIBUTES,
         dev_server_log_level="error",
+        data_converter=DATA_CONVERTER,
     )
     yield env
     await env.shutdown()
@@ -84,7 +86,9 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 
 @pytest.fixture(scope="session")
 async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(BIN / "temporal-test-server"))
+    env = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=str(BIN / "temporal-test-server"), data_converter=DATA_CONVERTER
+    )
     await register_search_attributes(env.client, env.client.namespace)
     yield env
     await env.shutdown()
@@ -136,7 +140,9 @@ async def create_namespace(env: WorkflowEnvironment) -> Client:
         RegisterNamespaceRequest(namespace=name, workflow_execution_retention_period=Duration(seconds=86400))
     )
     await register_search_attributes(env.client, name)
-    client = await Client.connect(env.client.service_client.config.target_host, namespace=name)
+    client = await Client.connect(
+        env.client.service_client.config.target_host, namespace=name, data_converter=DATA_CONVERTER
+    )
     # A new namespace takes a moment to reach every part of the server.
     for _ in range(100):
         try:

@@ -22,6 +22,7 @@ from temporalio.worker import Replayer
 from activities.fleet import each_at_most
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
 from lifecycle.inputs import fleet_input
 from proto import takeover_pb2
@@ -88,7 +89,7 @@ async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, tempor
         assert "**node-0001** at provider sim, address 127.0.0.1" in details and "**WATCHING** since" in details
 
         # Workflow code is deterministic: the histories just made replay cleanly.
-        replayer = Replayer(workflows=[MachineWorkflow, FleetWorkflow])
+        replayer = Replayer(workflows=[MachineWorkflow, FleetWorkflow], data_converter=DATA_CONVERTER)
         for provider_id in nodes(4):
             await replayer.replay_workflow(await stack.machine(provider_id).fetch_history())
 

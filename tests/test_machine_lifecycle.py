@@ -24,6 +24,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from foundation.settings import Settings
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import (
     MACHINE_STAGE,
     AgentCheckInput,
@@ -44,6 +45,8 @@ from lifecycle.contracts import (
     QuarantineInput,
     RebootInput,
     RebootResult,
+    RecoveryKind,
+    RecoveryRequest,
     RetireInput,
     RetireResult,
     StartAgentInput,
@@ -373,7 +376,8 @@ async def test_recovery_asked_for_before_the_agent_started_waits_for_it(time_ski
                 break
             await asyncio.sleep(0.1)
         assert status.stage in (MachineStage.PROVISIONING, MachineStage.AGENT_STARTING)
-        assert status.recovery_requested == "forced: early"
+        assert status.recovery_requested == RecoveryRequest("early", kind=RecoveryKind.FORCED)
+        assert status.recovery_requested.describe() == "forced: early"
         await env.sleep(timedelta(seconds=10))
         status = await handle.query(MachineWorkflow.status)
         assert status.stage is MachineStage.WATCHING and status.last_recovery_reason == "forced: early"
@@ -829,7 +833,7 @@ async def test_an_update_accepted_while_a_run_waits_for_its_handlers_is_carried_
         assert fakes.reboots == []
         for run_id in (first_run, (await handle.describe()).run_id):
             history = await env.client.get_workflow_handle(handle.id, run_id=run_id).fetch_history()
-            await Replayer(workflows=[MachineWorkflow]).replay_workflow(history)
+            await Replayer(workflows=[MachineWorkflow], data_converter=DATA_CONVERTER).replay_workflow(history)
 
 
 async def test_a_decommission_the_provider_does_not_carry_out_is_flagged_stuck(time_skipping_env):

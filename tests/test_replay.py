@@ -6,11 +6,13 @@ recovery; the same machine's run after it; a machine recovered for a lost
 heartbeat, whose agent an operator then restarted without a reboot, and its run
 after that; a fleet pass that admitted machines and one that signalled a silent
 one; a machine an operator forced into a recovery, naming who asked, and its
-next run, taken into maintenance and then decommissioned. A workflow change
+next run, taken into maintenance and then decommissioned; the same for a machine
+whose operators sent the typed requests (RecoveryRequest, MaintenanceRequest,
+OperatorRequest) rather than the JSON typed by hand. A workflow change
 that would break the workflows running in a fleet fails here, before it is
 deployed.
 
-`SHEPHERD_RECORD_HISTORIES=1 pytest tests/test_replay.py` records the ones
+`RECORD_HISTORIES=1 pytest tests/test_replay.py` records the ones
 missing from a fresh run. Once a version is released its histories are kept as
 they are: a change goes behind `workflow.patched`, and new histories are added
 beside the old ones.
@@ -27,6 +29,7 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import (
     DECOMMISSION_UPDATE,
     FORCE_RECOVER_SIGNAL,
@@ -35,6 +38,9 @@ from lifecycle.contracts import (
     SET_MAINTENANCE_UPDATE,
     FleetInput,
     MachineStage,
+    MaintenanceRequest,
+    OperatorRequest,
+    RecoveryRequest,
 )
 from lifecycle.inputs import fleet_input
 from tests.fleet_stack import FleetStack, fleet_stack
@@ -54,12 +60,16 @@ RECORDED = [
     "machine-decommissioned-in-maintenance",
     "machine-agent-restarted",
     "machine-after-agent-restart",
+    # The same operator actions, sent as the typed requests of lifecycle.contracts.
+    "machine-forced-by-a-typed-request",
+    "machine-typed-maintenance-then-decommissioned",
 ]
-RECORDING = os.environ.get("SHEPHERD_RECORD_HISTORIES") == "1"
+# Not SHEPHERD_*: the settings read every such variable, and the shepherd commands other tests run would refuse it.
+RECORDING = os.environ.get("RECORD_HISTORIES") == "1"
 
 
 def replayer() -> Replayer:
-    return Replayer(workflows=[MachineWorkflow, FleetWorkflow])
+    return Replayer(workflows=[MachineWorkflow, FleetWorkflow], data_converter=DATA_CONVERTER)
 
 
 @pytest.mark.parametrize("name", RECORDED)
@@ -74,14 +84,14 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
     # An hour's back-off, so the failed agent start is retried only at retry_now.
     settings: dict[str, Any] = {**WATCH, "agent_start_backoff_initial": 3600.0, "agent_start_backoff_maximum": 3600.0}
     async with fleet_stack(
-        tmp_path, temporal_client, bmdb_url, machines=3, heartbeats=True, sim_boot_seconds=0.0, **settings
+        tmp_path, temporal_client, bmdb_url, machines=4, heartbeats=True, sim_boot_seconds=0.0, **settings
     ) as stack:
         await sim_admin(stack, "/admin/faults", {"ssh_refuse": ["node-0001"]})
         admitting = await stack.client.start_workflow(
             FleetWorkflow.run, stack_fleet_input(stack), id="fleet-admits", task_queue=stack.settings.task_queue
         )
-        assert (await admitting.result()).admitted == ["node-0001", "node-0002", "node-0003"]
-        await stack.wait_for_stage(["node-0002", "node-0003"], MachineStage.WATCHING)
+        assert (await admitting.result()).admitted == ["node-0001", "node-0002", "node-0003", "node-0004"]
+        await stack.wait_for_stage(["node-0002", "node-0003", "node-0004"], MachineStage.WATCHING)
 
         # node-0001: the first agent start is refused, the operator fixes SSH and says retry_now.
         await stack.wait_for_error("node-0001")
@@ -125,6 +135,16 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
         await third.execute_update(DECOMMISSION_UPDATE, {"reason": "end of lease", "by": "carol"})
         await third.result()
 
+        # node-0004: the same, in typed requests.
+        fourth = stack.machine("node-0004")
+        typed_run = (await fourth.describe()).run_id
+        await fourth.signal(FORCE_RECOVER_SIGNAL, RecoveryRequest("fan noise", "alice"))
+        await wait_for(lambda: recovered(stack, "node-0004"), limit=30, what="forced recovery of node-0004")
+        await fourth.execute_update(SET_MAINTENANCE_UPDATE, MaintenanceRequest(on=True, reason="fans", by="bob"))
+        await stack.wait_for_stage(["node-0004"], MachineStage.MAINTENANCE)
+        await fourth.execute_update(DECOMMISSION_UPDATE, OperatorRequest("end of lease", "carol"))
+        await fourth.result()
+
         client = stack.client
         histories = {
             "machine-first-run": await client.get_workflow_handle(first.id, run_id=first_run).fetch_history(),
@@ -142,6 +162,10 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
                 third.id, run_id=forced_run
             ).fetch_history(),
             "machine-decommissioned-in-maintenance": await third.fetch_history(),
+            "machine-forced-by-a-typed-request": await client.get_workflow_handle(
+                fourth.id, run_id=typed_run
+            ).fetch_history(),
+            "machine-typed-maintenance-then-decommissioned": await fourth.fetch_history(),
         }
     assert sorted(histories) == sorted(RECORDED)
     for name, history in histories.items():

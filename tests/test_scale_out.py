@@ -13,6 +13,7 @@ from temporalio.client import Client
 
 from activities.deps import ActivityDeps, open_activity_deps
 from foundation.settings import Settings
+from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
 from processes.worker import build_workers, serving, uncompiled_modules
 from tests.fleet_stack import fleet_stack
@@ -28,6 +29,7 @@ async def test_two_workers_bring_a_fleet_up_handling_each_machine_once(tmp_path,
             temporal_client.service_client.config.target_host,
             namespace=temporal_client.namespace,
             identity="second-worker",
+            data_converter=DATA_CONVERTER,
         )
         second_deps = await open_activity_deps(stack.settings, second_client, bmdb_url)
         try:

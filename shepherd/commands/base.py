@@ -24,6 +24,7 @@ from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
 from foundation.settings import Settings, parse_duration
 from foundation.startup import connect_temporal
+from lifecycle.contracts import MaintenanceRequest, OperatorRequest
 from shepherd.commands.machine_ref import MachineNotFound, running_machine_workflow
 
 # What each command's register() adds its parser to.
@@ -185,7 +186,9 @@ def answer_with_lazy_bmdb(
     return EXIT_OK
 
 
-def ask_machine(settings: Settings, machine: str, update: str, request: dict[str, Any], *, then: str) -> int:
+def ask_machine(
+    settings: Settings, machine: str, update: str, request: OperatorRequest | MaintenanceRequest, *, then: str
+) -> int:
     """Send the update to the machine's workflow and print its answer; a refusal ends the command with its reason.
 
     then: what the operator should do once a workflow that does not run runs again.

@@ -19,7 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
-from lifecycle.contracts import MACHINE_STAGE, PROVIDER_ID, RUNNING_MACHINES
+from lifecycle.contracts import MACHINE_STAGE, PROVIDER_ID, RUNNING_MACHINES, MaintenanceRequest, OperatorRequest
 from shepherd.commands.base import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -83,7 +83,7 @@ def run_update(settings: Settings, args: argparse.Namespace, update: str, *, doi
     machine answers for itself. doing: what is asked, for the confirmation; then: for a machine whose workflow
     does not run, what to do once it runs again."""
     check_target(args)
-    request = {"reason": args.reason, "by": args.by or operator()}
+    request = OperatorRequest(args.reason, args.by or operator())
     if args.where is not None:
         return run_bulk(settings, args, doing, updating(update, request))
     return ask_machine(settings, args.machine, update, request, then=then)
@@ -130,7 +130,7 @@ async def select(client: Client, where: str) -> list[Target]:
     return sorted(targets, key=lambda t: t.workflow_id)
 
 
-def updating(update: str, request: dict[str, object]) -> Act:
+def updating(update: str, request: OperatorRequest | MaintenanceRequest) -> Act:
     """The act of sending one update to each machine's workflow; its answer is the line shown."""
 
     async def act(client: Client, target: Target) -> str:

@@ -36,6 +36,7 @@ from bmdb.store import BMDB
 from foundation.executables import AgentExecutable
 from foundation.settings import ENV_PREFIX, ProviderInstance, Settings, parse_endpoint
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from foundation.temporal_payloads import DATA_CONVERTER
 from foundation.tls import local_certificates
 from lifecycle.contracts import (
     MACHINE_STAGE,
@@ -523,7 +524,9 @@ class DevStack:
     @staticmethod
     async def temporal_client(settings: Settings) -> Client:
         assert settings.temporal_address is not None and settings.temporal_namespace is not None
-        client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        client = await Client.connect(
+            settings.temporal_address, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER
+        )
         await client.count_workflows()
         return client
 

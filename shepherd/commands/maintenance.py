@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from foundation.settings import Settings
-from lifecycle.contracts import SET_MAINTENANCE_UPDATE
+from lifecycle.contracts import SET_MAINTENANCE_UPDATE, MaintenanceRequest
 from shepherd.commands.base import (
     MACHINE_HELP,
     Subcommands,
@@ -46,9 +46,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError("--on needs --reason: why the machine goes into maintenance")
     if args.recover and not args.off:
         raise UsageError("--recover goes with --off")
-    request = {"on": args.on, "by": args.by or operator(), "recover": args.recover}
-    if args.reason is not None:
-        request["reason"] = args.reason
+    request = MaintenanceRequest(on=args.on, reason=args.reason or "", by=args.by or operator(), recover=args.recover)
 
     if args.where is not None:
         doing = "maintenance on" if args.on else "maintenance off" + (" and a reboot" if args.recover else "")

@@ -20,6 +20,7 @@ from lifecycle.contracts import (
     FORCE_RECOVER_SIGNAL,
     STATUS_QUERY,
     MachineStatus,
+    RecoveryRequest,
 )
 from shepherd.commands.base import (
     Subcommands,
@@ -49,7 +50,7 @@ async def request_recovery(client: Client, open_bmdb: Callable[[], Awaitable[BMD
     workflow_id = await running_machine_workflow(client, open_bmdb, request.machine, then="recover it again")
     handle = client.get_workflow_handle(workflow_id)
     before = await _stage_of(client, workflow_id)
-    await handle.signal(FORCE_RECOVER_SIGNAL, {"reason": reason, "by": request.by})
+    await handle.signal(FORCE_RECOVER_SIGNAL, RecoveryRequest(reason, request.by))
     if before == "QUARANTINED":
         return f"{workflow_id}: was QUARANTINED; the forced recovery releases it ({reason}) and reboots it"
     if before == "RECOVERING":
@@ -80,7 +81,7 @@ def register(commands: Subcommands) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     check_target(args)
     if args.where is not None:
-        signal = {"reason": args.reason, "by": args.by or operator()}
+        signal = RecoveryRequest(args.reason, args.by or operator())
 
         async def force(client: Client, target: Target) -> str:
             await client.get_workflow_handle(target.workflow_id).signal(FORCE_RECOVER_SIGNAL, signal)

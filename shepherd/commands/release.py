@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from foundation.settings import Settings
-from lifecycle.contracts import RELEASE_UPDATE
+from lifecycle.contracts import RELEASE_UPDATE, OperatorRequest
 from shepherd.commands.base import (
     MACHINE_HELP,
     Subcommands,
@@ -31,5 +31,5 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    request = {"reason": args.reason, "by": args.by or operator()}
+    request = OperatorRequest(args.reason, args.by or operator())
     return ask_machine(settings, args.machine, RELEASE_UPDATE, request, then="release it if it is quarantined again")

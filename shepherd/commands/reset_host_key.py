@@ -17,7 +17,7 @@ from temporalio.service import RPCError
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
-from lifecycle.contracts import RETRY_NOW_SIGNAL, machine_workflow_id
+from lifecycle.contracts import RETRY_NOW_SIGNAL, OperatorRequest, machine_workflow_id
 from lifecycle.takeover import host_key_fingerprint
 from shepherd.commands.base import (
     EXIT_OK,
@@ -56,7 +56,7 @@ async def reset_host_key(client: Client, bmdb: BMDB, machine: str, reason: str, 
             return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
         if description.status != WorkflowExecutionStatus.RUNNING:
             return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
-        retry = {"reason": f"host key pin reset: {reason}", "by": by}
+        retry = OperatorRequest(f"host key pin reset: {reason}", by)
         await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, retry)
     except RPCError as error:
         raise HostKeyError(

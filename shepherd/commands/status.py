@@ -119,7 +119,7 @@ def format_detail(detail: MachineDetail, now: datetime) -> list[str]:
         if status.last_recovery_reason:
             rows.append(("last recovery", status.last_recovery_reason))
         if status.recovery_requested:
-            rows.append(("recovery requested", status.recovery_requested))
+            rows.append(("recovery requested", status.recovery_requested.describe()))
         if status.recovery_requests_coalesced:
             rows.append(("requests coalesced", str(status.recovery_requests_coalesced)))
         rows += _operator_rows(status, now)

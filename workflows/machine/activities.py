@@ -1,0 +1,177 @@
+"""The activities of a machine's workflow, each with its summary, timeout, retry policy and task queue.
+
+Provider calls and SSH run on the provider instance's own task queue, whose rate limit Temporal holds across all
+workers; BMDB writes on the worker's. An activity retries a blip (a dropped connection) a few times itself; a
+failure that says something about the machine goes back to the step that ran it, which waits the stage's back-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from activities.decommission import DecommissionActivities
+    from activities.provisioning import ProvisioningActivities
+    from activities.recovery import RecoveryActivities
+    from activities.takeover import TakeoverActivities
+    from lifecycle.contracts import (
+        AgentCheckInput,
+        AgentFacts,
+        BootWaitInput,
+        BootWaitResult,
+        DecommissionInput,
+        MachineInput,
+        ProvisionInput,
+        ProvisionResult,
+        RebootInput,
+        RebootResult,
+        RetireResult,
+        StartAgentInput,
+        provider_task_queue,
+    )
+
+# Quick retries inside one attempt, for blips (a dropped BMDB connection); failures that say something about the
+# machine are non-retryable there and go straight to the step's back-off.
+BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+# BMDB marks of what an operator must see: tried until BMDB answers, as the stage's own steps need it too.
+UNTIL_BMDB_ANSWERS = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5))
+# Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
+BOOT_WAIT_BOUND = timedelta(hours=4)
+
+
+def _at_the_provider(machine: MachineInput, seconds: float) -> dict[str, Any]:
+    """Options of an activity that calls the machine's provider or the machine itself: the provider instance's
+    task queue, blips retried, at most seconds an attempt."""
+    return {
+        "start_to_close_timeout": timedelta(seconds=seconds),
+        "retry_policy": BLIP_RETRY,
+        "task_queue": provider_task_queue(workflow.info().task_queue, machine.provider),
+    }
+
+
+async def provision(machine: MachineInput) -> ProvisionResult:
+    """Create the machine at its provider (idempotent through the workflow id) and record it in BMDB."""
+    return await workflow.execute_activity_method(
+        ProvisioningActivities.provision_machine,
+        ProvisionInput(
+            provider=machine.provider,
+            provider_id=machine.provider_id,
+            machine_id=machine.machine_id,
+            idempotency_key=workflow.info().workflow_id,
+        ),
+        summary=f"create {machine.provider_id} at provider {machine.provider} and record it in BMDB",
+        **_at_the_provider(machine, machine.policy.provision_timeout),
+    )
+
+
+async def start_agent(machine: MachineInput, replacing: str | None) -> AgentFacts:
+    """Take the machine over: upload and start the agent over SSH."""
+    return await workflow.execute_activity_method(
+        TakeoverActivities.start_agent,
+        StartAgentInput(
+            provider=machine.provider,
+            provider_id=machine.provider_id,
+            machine_id=machine.machine_id,
+            replaces=replacing,
+        ),
+        summary=f"start the agent on {machine.provider_id} over SSH",
+        **_at_the_provider(machine, machine.policy.agent_start_timeout),
+    )
+
+
+async def reboot_through_provider(machine: MachineInput, reboot: RebootInput) -> RebootResult:
+    """Power-cycle the machine, unless its recovery cycle did already."""
+    return await workflow.execute_activity_method(
+        RecoveryActivities.reboot_through_provider,
+        reboot,
+        summary=f"reboot {machine.provider_id} through provider {machine.provider}: {reboot.cause}"[:200],
+        **_at_the_provider(machine, machine.policy.recovery_timeout),
+    )
+
+
+async def record_reboot(reboot: RebootInput) -> None:
+    """Record the reboot in BMDB, which forgets the old agent."""
+    await workflow.execute_activity_method(
+        RecoveryActivities.record_reboot,
+        reboot,
+        summary="record the reboot in BMDB and forget the old agent",
+        start_to_close_timeout=timedelta(minutes=1),
+        retry_policy=BLIP_RETRY,
+    )
+
+
+async def wait_for_boot(machine: MachineInput, went_down: bool) -> BootWaitResult:
+    """Wait until the rebooted machine answers SSH, at most its policy's boot deadline."""
+    deadline = machine.policy.boot_deadline
+    return await workflow.execute_activity_method(
+        RecoveryActivities.wait_for_boot,
+        BootWaitInput(
+            provider=machine.provider,
+            provider_id=machine.provider_id,
+            machine_id=machine.machine_id,
+            went_down=went_down,
+            deadline=deadline,
+        ),
+        summary=f"wait for {machine.provider_id} to answer SSH after the reboot",
+        **_at_the_provider(machine, deadline + 60 if deadline else BOOT_WAIT_BOUND.total_seconds()),
+        heartbeat_timeout=timedelta(minutes=2),
+    )
+
+
+async def reboot_and_record(machine: MachineInput, reboot: RebootInput) -> None:
+    """Reboot and record in one activity, as recoveries begun before the two were split run it."""
+    await workflow.execute_activity_method(
+        RecoveryActivities.reboot_machine,
+        reboot,
+        summary=f"reboot {machine.provider_id} through provider {machine.provider}: {reboot.cause}"[:200],
+        **_at_the_provider(machine, machine.policy.recovery_timeout),
+    )
+
+
+async def agent_alive(check: AgentCheckInput, provider_id: str) -> bool:
+    """Whether BMDB has heard from the machine's agent lately."""
+    alive: bool = await workflow.execute_activity_method(
+        RecoveryActivities.check_agent_after_maintenance,
+        check,
+        summary=f"is the agent of {provider_id} still calling after its maintenance?",
+        start_to_close_timeout=timedelta(minutes=1),
+        retry_policy=UNTIL_BMDB_ANSWERS,
+    )
+    return alive
+
+
+async def stop_agent(machine: MachineInput, request: DecommissionInput) -> str:
+    """Stop the machine's agent over SSH; what became of it."""
+    stopped: str = await workflow.execute_activity_method(
+        TakeoverActivities.stop_agent,
+        request,
+        summary=f"stop the agent on {machine.provider_id} over SSH",
+        **_at_the_provider(machine, machine.policy.agent_start_timeout),
+    )
+    return stopped
+
+
+async def retire_through_provider(machine: MachineInput, request: DecommissionInput) -> RetireResult:
+    """Release the machine, or power it off, through its provider."""
+    return await workflow.execute_activity_method(
+        DecommissionActivities.retire_through_provider,
+        request,
+        summary=f"release or power off {machine.provider_id} through provider {machine.provider}",
+        **_at_the_provider(machine, machine.policy.recovery_timeout),
+    )
+
+
+async def mark(activity: Callable[[Any, Any], Awaitable[None]], marked: Any, summary: str) -> None:
+    """Record in BMDB what an operator must see (quarantine, stuck, maintenance, an action), until BMDB answers."""
+    await workflow.execute_activity_method(
+        activity,
+        marked,
+        summary=summary,
+        start_to_close_timeout=timedelta(minutes=1),
+        retry_policy=UNTIL_BMDB_ANSWERS,
+    )
