@@ -1,8 +1,8 @@
 """Build the agent executable: one file that runs on a Linux machine of this host's architecture with nothing
 installed, no Python at all.
 
-PyInstaller packs the interpreter, the reference agent, the ``proto`` messages and the native parts of grpcio,
-PyNaCl and protobuf into one ELF file (its one-file mode), which unpacks them into the machine's temporary
+PyInstaller packs the interpreter and its OpenSSL, the reference agent, the ``proto`` messages, h2 and the native
+parts of PyNaCl and protobuf into one ELF file (its one-file mode), which unpacks them into the machine's temporary
 directory when it starts. The file carries what it needs of the machine in an ELF section of its own (the
 architecture, the C library and the oldest glibc its parts were linked against), which the workers read before
 they upload it (foundation.executables).
@@ -11,8 +11,8 @@ A PyInstaller build takes a quarter of a minute, so builds are kept in a cache (
 else ``~/.cache/shepherd/agent-builds``) under a digest of everything that goes in: the sources, the entry point,
 the Python and the versions of PyInstaller and the packed libraries. The same inputs give the same file.
 
-``--zipapp-python INTERPRETER`` builds the old zipapp instead: a script that needs that interpreter with protobuf,
-grpcio and PyNaCl on the machine. An escape hatch for a machine that has them, never the default.
+``--zipapp-python INTERPRETER`` builds the old zipapp instead: a script that needs that interpreter with protobuf
+and PyNaCl on the machine (it carries h2 itself). An escape hatch for a machine that has them, never the default.
 
 Usage: ``python -m agent.build OUT [--no-heartbeats] [--zipapp-python INTERPRETER]``
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.metadata
 import io
 import json
@@ -61,8 +62,10 @@ NO_HEARTBEATS_ENTRY_POINT = (
 )
 # What the agent imports on the machine, and what it never needs: the PyInstaller analysis follows every import of
 # the libraries, among them code generators, test frameworks and codecs an agent never loads.
-HIDDEN_IMPORTS = ("agent.heartbeat", "grpc", "pkgutil", "_cffi_backend")
+HIDDEN_IMPORTS = ("agent.heartbeat", "agent.grpc_channel", "pkgutil", "_cffi_backend")
 EXCLUDED_MODULES = (
+    # The agent speaks gRPC through agent.grpc_channel, not grpcio (17 MiB of native code and threads of its own).
+    "grpc",
     "grpc_tools",
     "bcrypt",
     "unittest",
@@ -75,14 +78,14 @@ EXCLUDED_MODULES = (
     "pyexpat",
     "lzma",
     "bz2",
-    # OpenSSL's Python bindings (gRPC brings its own TLS) and the Unicode database: about 7 MiB unpacked at every start.
-    "ssl",
-    "_ssl",
+    # Hashes beyond what the agent uses (OpenSSL's, besides the ssl module's own) and the Unicode database.
     "_hashlib",
     "unicodedata",
 )
 # Whose versions decide what the build packs.
-PACKED_DISTRIBUTIONS = ("pyinstaller", "grpcio", "pynacl", "protobuf", "cffi")
+PACKED_DISTRIBUTIONS = ("pyinstaller", "h2", "hpack", "hyperframe", "pynacl", "protobuf", "cffi")
+# Pure-Python libraries of the agent: the zipapp carries them, so its interpreter needs only protobuf and PyNaCl.
+PURE_PYTHON_LIBRARIES = ("h2", "hpack", "hyperframe")
 CACHE_VARIABLE = "SHEPHERD_AGENT_BUILD_CACHE"
 # glibc's symbol versions, as objdump prints a binary's version references.
 _GLIBC_VERSION = re.compile(r"\bGLIBC_(\d+)\.(\d+)(?:\.\d+)?\b")
@@ -219,6 +222,9 @@ def _run(command: list[str], what: str, **options: object) -> str:
 def agent_archive(*, heartbeats: bool = True) -> bytes:
     """The zip archive (without shebang): the sources and a __main__ that runs the reference agent."""
     members = {name: source.read_bytes() for name, source in SOURCES.items()}
+    for library in PURE_PYTHON_LIBRARIES:
+        root = Path(importlib.import_module(library).__file__ or "").parent
+        members |= {f"{library}/{path.relative_to(root)}": path.read_bytes() for path in sorted(root.rglob("*.py"))}
     members["__main__.py"] = (ENTRY_POINT if heartbeats else NO_HEARTBEATS_ENTRY_POINT).encode()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -232,8 +238,7 @@ def agent_archive(*, heartbeats: bool = True) -> bytes:
 
 
 def zipapp_executable(python: str, *, heartbeats: bool = True) -> bytes:
-    """The zipapp for python: a #! line and the archive; it runs only where python has protobuf, grpcio and
-    PyNaCl."""
+    """The zipapp for python: a #! line and the archive; it runs only where python has protobuf and PyNaCl."""
     executable = io.BytesIO()
     zipapp.create_archive(io.BytesIO(agent_archive(heartbeats=heartbeats)), executable, interpreter=python)
     return executable.getvalue()
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--zipapp-python",
         metavar="INTERPRETER",
-        help="escape hatch: a zipapp run by INTERPRETER, which must have protobuf, grpcio and PyNaCl on the "
+        help="escape hatch: a zipapp run by INTERPRETER, which must have protobuf and PyNaCl on the "
         "machine, instead of the self-contained executable",
     )
     args = parser.parse_args(argv)

@@ -5,15 +5,14 @@ Kept free of the rest of Shepherd: it runs inside the agent executable.
 
 from __future__ import annotations
 
-import base64
 import os
-import queue
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from google.protobuf.message import DecodeError
+
+from agent.grpc_channel import Channel, RpcError
 from agent.keys import Signer
 from proto import AGENT_MAX_RETRY_INTERVAL, SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload
@@ -34,6 +33,8 @@ STREAM_RETRY_AFTER = 3600.0
 # again: a stream freed meanwhile is taken up, and a server still full costs one refusal an agent a while.
 STREAM_REFUSED_RETRY_AFTER = 600.0
 Outcome = agent_api_pb2.HeartbeatResponse.Outcome
+# A unary Heartbeat call: the request and the seconds to wait for its answer.
+UnaryCall = Callable[[agent_api_pb2.HeartbeatRequest, float], agent_api_pb2.HeartbeatResponse]
 
 
 class HeartbeatFailed(Exception):
@@ -56,47 +57,28 @@ class StreamUnavailable(Exception):
 class HeartbeatStream:
     """One Heartbeats stream: send a heartbeat, wait for its answer (at most ANSWER_TIMEOUT)."""
 
-    def __init__(self, channel: Any) -> None:
-        self._requests: queue.SimpleQueue[agent_api_pb2.HeartbeatRequest | None] = queue.SimpleQueue()
-        open_stream = channel.stream_stream(
-            HEARTBEATS_METHOD,
-            request_serializer=agent_api_pb2.HeartbeatRequest.SerializeToString,
-            response_deserializer=agent_api_pb2.HeartbeatResponse.FromString,
-        )
-        # gRPC reads the requests on a thread of its own, until the None that closes the stream.
-        self._call = open_stream(iter(self._requests.get, None))
-        self._timed_out = False
+    def __init__(self, channel: Channel) -> None:
+        self._call = channel.open_stream(HEARTBEATS_METHOD)
 
     def exchange(self, request: agent_api_pb2.HeartbeatRequest) -> agent_api_pb2.HeartbeatResponse:
-        import grpc
-
-        self._requests.put(request)
-        timer = threading.Timer(ANSWER_TIMEOUT, self._time_out)
-        timer.daemon = True
-        timer.start()
+        deadline = time.monotonic() + ANSWER_TIMEOUT
         try:
-            return next(self._call)
-        except StopIteration:
-            raise HeartbeatFailed("UNAVAILABLE", "the heartbeat server closed the stream") from None
-        except grpc.RpcError as error:
-            code = error.code()
-            if code is grpc.StatusCode.UNIMPLEMENTED:
-                raise StreamUnavailable(error.details(), full=False) from None
-            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _says_streams_are_full(error):
-                raise StreamUnavailable(error.details(), full=True) from None
-            if self._timed_out:
-                raise HeartbeatFailed("DEADLINE_EXCEEDED", f"no answer within {ANSWER_TIMEOUT:.0f}s") from None
-            raise HeartbeatFailed(code.name, error.details()) from None
-        finally:
-            timer.cancel()
-
-    def _time_out(self) -> None:
-        self._timed_out = True
-        self._call.cancel()
+            self._call.send(request.SerializeToString(), deadline)
+            answer = self._call.receive(deadline)
+        except RpcError as error:
+            if error.code == "UNIMPLEMENTED":
+                raise StreamUnavailable(error.details, full=False) from None
+            if error.code == "RESOURCE_EXHAUSTED" and STREAM_REFUSED_METADATA in error.trailers:
+                raise StreamUnavailable(error.details, full=True) from None
+            if error.code == "DEADLINE_EXCEEDED":
+                raise HeartbeatFailed(error.code, f"no answer within {ANSWER_TIMEOUT:.0f}s") from None
+            raise HeartbeatFailed(error.code, error.details) from None
+        if answer is None:
+            raise HeartbeatFailed("UNAVAILABLE", "the heartbeat server closed the stream")
+        return _parsed_answer(answer)
 
     def close(self) -> None:
-        self._requests.put(None)
-        self._call.cancel()
+        self._call.close()
 
 
 def signed_heartbeat(machine_id: str, key: Signer, now_ms: int | None = None) -> agent_api_pb2.HeartbeatRequest:
@@ -145,7 +127,7 @@ class HeartbeatLoop:
         retry_interval: float = 5.0,
         max_retry_interval: float = AGENT_MAX_RETRY_INTERVAL,
         log: Callable[[str], None] = lambda line: None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
         rng: random.Random | None = None,
         stop_reason: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.time,
@@ -184,23 +166,21 @@ class HeartbeatLoop:
         self.clock_offset_ms = offset
         return True
 
-    def run(self, call: Callable[..., Any] | None = None) -> str:
+    def run(self, call: UnaryCall | None = None) -> str:
         """Heartbeat until a newer agent has taken over; returns why it stopped.
 
         Heartbeats go on one Heartbeats stream, opened again when it breaks; a server without it gets unary
         Heartbeat calls. call: a unary call to use instead of a channel (tests give one).
         """
-        import grpc  # in the daemon only: the answer to a takeover does not pay for loading it
-
         channel = None
+        sleep = self.sleep
         if call is None:
-            channel = grpc.secure_channel(self.endpoint, self._credentials(grpc))
-            call = channel.unary_unary(
-                HEARTBEAT_METHOD,
-                request_serializer=agent_api_pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=agent_api_pb2.HeartbeatResponse.FromString,
-            )
+            channel = Channel(self.endpoint, self.ca_certificates_der)
+            call = _unary_call(channel)
+            # Between heartbeats the connection is kept: the server's keepalive pings are answered while waiting.
+            sleep = sleep or channel.wait
         unary = call
+        sleep = sleep or time.sleep
         stream: HeartbeatStream | None = None
         # Until when the unary call is used: for ever when a call was given, for a while after UNIMPLEMENTED.
         unary_until = float("inf") if channel is None else 0.0
@@ -213,9 +193,10 @@ class HeartbeatLoop:
                 request = signed_heartbeat(self.machine_id, self.key, self._sent_at_ms())
                 try:
                     if time.monotonic() < unary_until:
-                        response, refused_as = _unary_exchange(grpc, unary, request)
+                        response, refused_as = _unary_exchange(unary, request)
                     else:
                         if stream is None:
+                            assert channel is not None  # unary_until is for ever without one
                             stream = HeartbeatStream(channel)
                         response = stream.exchange(request)
                         refused_as = _outcome_name(response.outcome)
@@ -240,7 +221,7 @@ class HeartbeatLoop:
                         stream = None
                     failures += 1
                     self._log_failure(failures, str(failure))
-                    self.sleep(retry_delay(failures, self.retry_interval, self.max_retry_interval, self.rng))
+                    sleep(retry_delay(failures, self.retry_interval, self.max_retry_interval, self.rng))
                     continue
                 outcome = response.outcome
                 if outcome == Outcome.ACCEPTED:
@@ -249,7 +230,7 @@ class HeartbeatLoop:
                     failures = 0
                     accepted_once = True
                     wait = response.next_heartbeat_in_ms / 1000 if response.next_heartbeat_in_ms > 0 else self.interval
-                    self.sleep(wait)
+                    sleep(wait)
                     continue
                 if accepted_once and outcome == Outcome.NOT_ACCEPTED:
                     return f"heartbeat refused ({response.message}): a newer agent has taken over"
@@ -262,7 +243,7 @@ class HeartbeatLoop:
                 if outcome == Outcome.RETRY_LATER and response.next_heartbeat_in_ms > 0:
                     # The server's own back-off, which it spreads over the agents it turns away.
                     delay = min(response.next_heartbeat_in_ms / 1000, self.max_retry_interval)
-                self.sleep(delay)
+                sleep(delay)
         finally:
             if stream is not None:
                 stream.close()
@@ -274,45 +255,40 @@ class HeartbeatLoop:
         if failures & (failures - 1) == 0:
             self.log(f"heartbeat failed {failures} time(s) ({why}); retrying")
 
-    def _credentials(self, grpc: Any) -> Any:
-        if not self.ca_certificates_der:
-            return grpc.ssl_channel_credentials()
-        # Every CA of the bundle is a root: a server certificate from the old CA or the new is trusted.
-        pem = b"".join(der_to_pem(der) for der in self.ca_certificates_der)
-        return grpc.ssl_channel_credentials(root_certificates=pem)
+
+def _unary_call(channel: Channel) -> UnaryCall:
+    def call(request: agent_api_pb2.HeartbeatRequest, timeout: float) -> agent_api_pb2.HeartbeatResponse:
+        return _parsed_answer(channel.unary(HEARTBEAT_METHOD, request.SerializeToString(), timeout))
+
+    return call
 
 
-def _says_streams_are_full(error: Any) -> bool:
-    """Whether a refused stream's trailing metadata says the server's cap on streams refused it."""
+def _parsed_answer(answer: bytes) -> agent_api_pb2.HeartbeatResponse:
     try:
-        trailing = error.trailing_metadata() or ()
-    except Exception:
-        return False
-    return any(key == STREAM_REFUSED_METADATA for key, _ in trailing)
+        return agent_api_pb2.HeartbeatResponse.FromString(answer)
+    except DecodeError:
+        size = len(answer)
+        raise HeartbeatFailed("INTERNAL", f"the server answered no HeartbeatResponse ({size} bytes)") from None
 
 
 def _unary_exchange(
-    grpc: Any, call: Callable[..., Any], request: agent_api_pb2.HeartbeatRequest
+    call: UnaryCall, request: agent_api_pb2.HeartbeatRequest
 ) -> tuple[agent_api_pb2.HeartbeatResponse, str]:
     """A unary Heartbeat call, its answer told as a stream's (a refusal's status becomes its outcome), and the
     status's name for the log."""
     try:
-        response: agent_api_pb2.HeartbeatResponse = call(request, timeout=ANSWER_TIMEOUT)
-    except grpc.RpcError as error:
-        code = error.code()
-        if code is grpc.StatusCode.UNAUTHENTICATED:
-            return agent_api_pb2.HeartbeatResponse(outcome=Outcome.NOT_ACCEPTED, message=error.details()), code.name
-        if code is grpc.StatusCode.FAILED_PRECONDITION:
-            told = dict(error.trailing_metadata() or ()).get(SERVER_TIME_METADATA)
-            try:
-                server_time_ms = int(str(told))
-            except ValueError:
-                server_time_ms = 0
+        response = call(request, ANSWER_TIMEOUT)
+    except RpcError as error:
+        if error.code == "UNAUTHENTICATED":
+            return agent_api_pb2.HeartbeatResponse(outcome=Outcome.NOT_ACCEPTED, message=error.details), error.code
+        if error.code == "FAILED_PRECONDITION":
+            told = error.trailers.get(SERVER_TIME_METADATA, "")
+            server_time_ms = int(told) if told.isdigit() else 0
             stale = agent_api_pb2.HeartbeatResponse(
-                outcome=Outcome.STALE, message=error.details(), server_time_unix_ms=server_time_ms
+                outcome=Outcome.STALE, message=error.details, server_time_unix_ms=server_time_ms
             )
-            return stale, code.name
-        raise HeartbeatFailed(code.name, error.details()) from None
+            return stale, error.code
+        raise HeartbeatFailed(error.code, error.details) from None
     return response, "OK"
 
 
@@ -321,10 +297,3 @@ def _outcome_name(outcome: int) -> str:
         return Outcome.Name(outcome)
     except ValueError:
         return f"outcome {outcome}"  # from a newer server
-
-
-def der_to_pem(der: bytes) -> bytes:
-    """A DER certificate as PEM, which gRPC reads (RFC 7468: base64 in lines of 64 between the labels)."""
-    encoded = base64.b64encode(der)
-    lines = [encoded[at : at + 64] for at in range(0, len(encoded), 64)]
-    return b"-----BEGIN CERTIFICATE-----\n" + b"\n".join(lines) + b"\n-----END CERTIFICATE-----\n"

@@ -17,7 +17,7 @@ unpacked once its first process exits, and the daemon needs its own.
 Run with ``--stop`` instead, it removes the key, and the running agent stops
 before its next heartbeat: Shepherd's decommission does this over SSH.
 
-Only protobuf, PyNaCl, grpcio and the ``proto`` package are needed: the
+Only protobuf, PyNaCl, h2 and the ``proto`` package are needed: the
 agent modules are packed alone into the executable, with the interpreter and
 those libraries (see agent.build).
 """

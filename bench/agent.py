@@ -2,7 +2,7 @@
 
 Both are built by agent.build from the same sources: the self-contained one-file executable (PyInstaller, its
 own interpreter inside), and the baseline, the zipapp run by this venv's Python: what the agent cost before, an
-interpreter with protobuf, grpcio and PyNaCl on the machine. Measured in the same run, on the same terms:
+interpreter with protobuf and PyNaCl on the machine. Measured in the same run, on the same terms:
 
 size          the file, and what it unpacks into $TMPDIR at every start (the one-file build's manifest; the
               zipapp unpacks nothing).

@@ -67,8 +67,6 @@ METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
 DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent", "ssh_key", "tls", "dev-providers.toml")
 # The provider instance of `shepherd dev --inventory`.
 INVENTORY_INSTANCE = "static"
-# What runs the agent on a real machine: its own python3 (with protobuf, cryptography and grpcio).
-
 
 # SSH stays down this long after a simulated reboot, as on real hardware.
 SIM_BOOT_SECONDS = 10.0
@@ -445,7 +443,7 @@ class DevStack:
             self.say(f"  {key}")
             if self.options.agent_python:
                 python = self.options.agent_python
-                self.say(f"the agent runs there with {python}, which needs protobuf, PyNaCl and grpcio")
+                self.say(f"the agent runs there with {python}, which needs protobuf and PyNaCl")
             else:
                 self.say(f"they need SSH and a writable {settings.agent_target_path}, nothing else")
 
@@ -636,7 +634,7 @@ def register(commands: Subcommands) -> None:
     parser.add_argument(
         "--agent-python",
         help="escape hatch (with --inventory): upload a zipapp agent run by this interpreter, which must have "
-        "protobuf, PyNaCl and grpcio, instead of the self-contained executable",
+        "protobuf and PyNaCl, instead of the self-contained executable",
     )
     parser.set_defaults(run=run)
 
