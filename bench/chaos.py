@@ -76,9 +76,9 @@ from foundation.settings import ENV_PREFIX, Settings
 from foundation.temporal_payloads import DATA_CONVERTER
 from foundation.tls import local_certificates
 from lifecycle.contracts import MachineStage, machine_workflow_id
+from operations.machine_reads import machine_stages
 from proto import AGENT_MAX_RETRY_INTERVAL
 from shepherd.commands.dev import settings_environment, simulator_argv, temporal_dev_server_argv
-from shepherd.commands.machines import machine_stages
 
 PROVIDER = "sim"
 PROJECT = Path(__file__).resolve().parents[1]

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from foundation.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +49,13 @@ class LocalPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def bmdb_url(settings: Settings) -> Iterator[str]:
+    """The BMDB URL of the settings, or while the block runs a local PostgreSQL's under the state dir."""
+    if settings.database_url:
+        yield settings.database_url
+        return
+    with LocalPostgres(settings.state_dir / "postgres") as url:
+        yield url

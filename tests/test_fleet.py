@@ -22,9 +22,11 @@ from temporalio.worker import Replayer
 from activities.fleet import each_at_most
 from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
+from foundation.settings import Settings
 from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
 from lifecycle.inputs import fleet_input
+from operations.client import OperatorClient
 from proto import takeover_pb2
 from shepherd.commands.dev import settings_environment
 from shepherd.commands.fleet import schedule_line
@@ -95,7 +97,8 @@ async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, tempor
 
         # `shepherd machines` shows each machine with its stage.
         output = io.StringIO()
-        assert await print_machines(stack.settings, bmdb_url, out=output) == 0
+        async with OperatorClient(stack.settings, database_url=bmdb_url) as operators:
+            assert await print_machines(operators, out=output) == 0
         lines = output.getvalue().splitlines()
         assert lines[0].split()[:2] == ["PROVIDER", "ID"] and len(lines) == 5
         assert all("WATCHING" in line and "127.0.0.1:" in line for line in lines[1:])
@@ -336,6 +339,6 @@ async def test_the_fleet_schedules_interval_reads_as_an_operator_writes_it(secon
             return description
 
     client = SimpleNamespace(get_schedule_handle=lambda schedule_id: Handle())
-    line, facts = await schedule_line(client, "sim")  # type: ignore[arg-type]
+    line, facts = await schedule_line(OperatorClient(Settings(), temporal=client), "sim")  # type: ignore[arg-type]
     assert line == f"schedule shepherd-fleet-sim: PAUSED (rack move), every {shown}"
     assert facts["interval_seconds"] == seconds

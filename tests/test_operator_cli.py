@@ -16,9 +16,9 @@ from bmdb.schema import machine_provided, machines
 from bmdb.store import BMDB, MachineRecord
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
 from lifecycle.takeover import host_key_fingerprint
+from operations.machine_names import MachineNotFound, resolve_machine
 from processes.worker import ensure_fleet_schedules
 from shepherd.commands.base import operator
-from shepherd.commands.machine_ref import MachineNotFound, resolve_machine
 from shepherd.commands.machines import MachineView, format_machines, machine_json
 from tests.fleet_stack import fleet_stack
 from tests.test_recovery import WATCH, wait_for

@@ -15,6 +15,7 @@ from foundation.settings import Settings, SettingsError
 from lifecycle.contracts import MachineStage, RecoveryHoldRule
 from lifecycle.inputs import recovery_hold_rule
 from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold
+from operations.client import OperatorClient
 from processes.worker import ensure_fleet_schedules
 from proto import AGENT_MAX_RETRY_INTERVAL
 from shepherd.commands.fleet import FleetAction, FleetPass, format_passes, held_lines, print_fleet
@@ -167,7 +168,7 @@ async def test_many_silent_machines_are_held_until_an_operator_releases_them(
 
         await ensure_fleet_schedules(stack.client, stack.settings)
         out = io.StringIO()
-        await print_fleet(stack.client, ["sim"], FleetAction(), out=out)
+        await print_fleet(OperatorClient(stack.settings, temporal=stack.client), ["sim"], FleetAction(), out=out)
         shown = out.getvalue()
         assert "RECOVERIES HELD since" in shown and "silent: node-0001, node-0002" in shown
         assert "shepherd fleet --release-recoveries --provider sim" in shown

@@ -38,6 +38,7 @@ from lifecycle.contracts import (
 )
 from lifecycle.inputs import fleet_input
 from lifecycle.takeover import host_key_fingerprint
+from operations.client import OperatorClient
 from processes.worker import build_workers, serving
 from shepherd.commands.machines import print_machines
 from tests.bmc_fixtures import Bmc, fake_system, power_state, running_bmc
@@ -230,7 +231,8 @@ async def test_a_listed_machine_is_taken_over_and_power_cycled_through_its_bmc(
         assert record.missing_since is not None
         assert [e.kind for e in await bmdb.list_events(record.machine_id, limit=1)] == ["missing_at_provider"]
         table = io.StringIO()
-        await print_machines(stack.settings, bmdb_url, table)
+        async with OperatorClient(stack.settings, database_url=bmdb_url) as operators:
+            await print_machines(operators, table)
         assert table.getvalue().splitlines()[1].split()[:3] == ["lab-01", f"127.0.0.1:{sshd.port}", "MISSING"]
 
         (tmp_path / f"{LAB}.toml").write_text(inventory)

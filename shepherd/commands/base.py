@@ -1,4 +1,4 @@
-"""What every command shares: its errors and exit codes, argument types, the common flags, and opening BMDB.
+"""What every command shares: its errors and exit codes, argument types, the common flags, and the operator client.
 
 Every subcommand reads its settings from ``SHEPHERD_*`` environment variables
 (below them an optional TOML file); flags override them.
@@ -12,26 +12,20 @@ import getpass
 import json
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO, TypeAlias, TypeVar
 
-from temporalio.client import WorkflowUpdateFailedError
-
-from bmdb.local_postgres import LocalPostgres
-from bmdb.migrate import open_bmdb
-from bmdb.store import BMDB
 from foundation.settings import Settings, parse_duration
-from foundation.startup import connect_temporal
 from lifecycle.contracts import MaintenanceRequest, OperatorRequest
-from shepherd.commands.machine_ref import MachineNotFound, running_machine_workflow
+from operations.client import OperatorClient
+from operations.connections import OperatorError
+from operations.machine_actions import check_reason
 
 # What each command's register() adds its parser to.
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 T = TypeVar("T")
-C = TypeVar("C")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -39,8 +33,6 @@ EXIT_USAGE = 2
 
 # What `shepherd COMMAND -h` calls the MACHINE argument.
 MACHINE_HELP = "BMDB machine id (or a unique prefix), provider id or workflow id"
-# Long enough for any operator's note, short enough for a status line.
-MAX_REASON_LENGTH = 500
 
 # The flags that are settings too; a flag given wins over the environment and the file.
 _SETTING_FLAGS = (
@@ -79,16 +71,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def check_reason(text: str) -> str:
-    """An operator's reason, stripped; refused when empty or too long to keep."""
-    reason = text.strip()
-    if not reason:
-        raise ValueError("the reason is empty; say why it is asked")
-    if len(reason) > MAX_REASON_LENGTH:
-        raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
-    return reason
 
 
 def reason_arg(text: str) -> str:
@@ -160,30 +142,17 @@ def resolve_settings(args: argparse.Namespace) -> tuple[Settings, dict[str, str]
     return Settings.resolve(config_path=getattr(args, "config", None), **overrides)
 
 
-@contextmanager
-def database(settings: Settings) -> Iterator[str]:
-    """The BMDB URL from settings, or a local PostgreSQL's while the block runs."""
-    if settings.database_url:
-        yield settings.database_url
-        return
-    with LocalPostgres(settings.state_dir / "postgres") as url:
-        yield url
+def operate(settings: Settings, act: Callable[[OperatorClient], Awaitable[T]]) -> T:
+    """Run act with an operator client for the settings; a request it could not do ends the command with why."""
 
+    async def run() -> T:
+        async with OperatorClient(settings) as operators:
+            return await act(operators)
 
-def answer_with_lazy_bmdb(
-    settings: Settings, act: Callable[[Callable[[], Awaitable[BMDB]]], Coroutine[Any, Any, str]]
-) -> int:
-    """Print what act answers. act gets an opener of BMDB, so a local PostgreSQL starts only if it is needed."""
-    with ExitStack() as stack:
-
-        def opener() -> Awaitable[BMDB]:
-            return open_bmdb(stack.enter_context(database(settings)))
-
-        try:
-            print(asyncio.run(act(opener)))
-        except MachineNotFound as error:
-            raise CommandError(str(error)) from None
-    return EXIT_OK
+    try:
+        return asyncio.run(run())
+    except OperatorError as error:
+        raise CommandError(str(error)) from None
 
 
 def ask_machine(
@@ -193,46 +162,5 @@ def ask_machine(
 
     then: what the operator should do once a workflow that does not run runs again.
     """
-
-    async def ask(open_bmdb: Callable[[], Awaitable[BMDB]]) -> str:
-        client = await connect_temporal(settings)
-        workflow_id = await running_machine_workflow(client, open_bmdb, machine, then=then)
-        try:
-            answer = await client.get_workflow_handle(workflow_id).execute_update(update, request, result_type=str)
-        except WorkflowUpdateFailedError as error:
-            raise CommandError(f"{workflow_id}: {getattr(error.cause, 'message', None) or error}") from None
-        return f"{workflow_id}: {answer}"
-
-    return answer_with_lazy_bmdb(settings, ask)
-
-
-async def no_temporal() -> None:
-    """For with_bmdb: a command that needs BMDB alone."""
-    return None
-
-
-def with_bmdb(
-    settings: Settings,
-    first: Callable[[], Awaitable[C]],
-    act: Callable[[C, BMDB], Awaitable[T]],
-    *errors: type[Exception],
-) -> T:
-    """Run act with what first connects (Temporal, or nothing) and BMDB open.
-
-    A machine not found, or one of errors, ends the command with its message.
-    """
-
-    async def run(url: str) -> T:
-        connected = await first()
-        bmdb = await open_bmdb(url)
-        try:
-            return await act(connected, bmdb)
-        finally:
-            await bmdb.close()
-
-    told: tuple[type[Exception], ...] = (MachineNotFound, *errors)
-    with database(settings) as url:
-        try:
-            return asyncio.run(run(url))
-        except told as error:
-            raise CommandError(str(error)) from None
+    print(operate(settings, lambda operators: operators.ask(machine, update, request, then=then)))
+    return EXIT_OK

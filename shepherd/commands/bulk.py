@@ -12,14 +12,11 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-
-from temporalio.client import Client, WorkflowUpdateFailedError
-from temporalio.service import RPCError, RPCStatusCode
 
 from foundation.settings import Settings
-from foundation.startup import connect_temporal
-from lifecycle.contracts import MACHINE_STAGE, PROVIDER_ID, RUNNING_MACHINES, MaintenanceRequest, OperatorRequest
+from lifecycle.contracts import MaintenanceRequest, OperatorRequest
+from operations.client import OperatorClient
+from operations.machine_actions import InvalidQuery, Target, refusal_text
 from shepherd.commands.base import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -28,6 +25,7 @@ from shepherd.commands.base import (
     UsageError,
     add_by,
     ask_machine,
+    operate,
     operator,
     reason_arg,
 )
@@ -39,17 +37,8 @@ DEFAULT_RATE = 5.0
 LISTED = 50
 
 
-@dataclass(frozen=True)
-class Target:
-    """One machine a --where query selected: its workflow, provider id and stage at the time of the listing."""
-
-    workflow_id: str
-    provider_id: str
-    stage: str
-
-
 # What one machine's action does: the line to show for it, or an exception whose message says why not.
-Act = Callable[[Client, Target], Awaitable[str]]
+Act = Callable[[OperatorClient, Target], Awaitable[str]]
 
 
 def add_where(parser: argparse.ArgumentParser) -> None:
@@ -109,44 +98,13 @@ def check_target(args: argparse.Namespace) -> None:
         raise UsageError("--where needs a query, e.g. 'MachineStage = \"WATCHING\"'")
 
 
-async def select(client: Client, where: str) -> list[Target]:
-    """The running machine workflows the query selects, by provider id; UsageError naming a malformed query."""
-    query = f"{RUNNING_MACHINES} AND ({where})"
-    targets = []
-    try:
-        async for execution in client.list_workflows(query):
-            attributes = execution.typed_search_attributes
-            targets.append(
-                Target(
-                    execution.id,
-                    attributes.get(PROVIDER_ID) or execution.id,
-                    attributes.get(MACHINE_STAGE) or "unknown",
-                )
-            )
-    except RPCError as error:
-        if error.status == RPCStatusCode.INVALID_ARGUMENT:
-            raise UsageError(f"--where {where!r} is not a query Temporal accepts: {error.message}") from None
-        raise
-    return sorted(targets, key=lambda t: t.workflow_id)
-
-
 def updating(update: str, request: OperatorRequest | MaintenanceRequest) -> Act:
     """The act of sending one update to each machine's workflow; its answer is the line shown."""
 
-    async def act(client: Client, target: Target) -> str:
-        handle = client.get_workflow_handle(target.workflow_id)
-        return f"{target.workflow_id}: {await handle.execute_update(update, request, result_type=str)}"
+    async def act(operators: OperatorClient, target: Target) -> str:
+        return await operators.ask_workflow(target.workflow_id, update, request)
 
     return act
-
-
-def failure_text(error: BaseException) -> str:
-    """One line of why an action on one machine did not happen."""
-    if isinstance(error, WorkflowUpdateFailedError):
-        return str(getattr(error.cause, "message", None) or error.cause or error)
-    if isinstance(error, RPCError):
-        return error.message or error.status.name
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def confirmed(question: str) -> bool:
@@ -159,7 +117,9 @@ def confirmed(question: str) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-async def act_on_all(client: Client, targets: list[Target], act: Act, rate: float) -> list[tuple[Target, str]]:
+async def act_on_all(
+    operators: OperatorClient, targets: list[Target], act: Act, rate: float
+) -> list[tuple[Target, str]]:
     """Run act on every target, starting at most rate a second with at most IN_FLIGHT under way; a line as each
     finishes. Returns the targets it failed on, with why."""
     failures: list[tuple[Target, str]] = []
@@ -169,10 +129,11 @@ async def act_on_all(client: Client, targets: list[Target], act: Act, rate: floa
     async def one(target: Target) -> None:
         nonlocal finished
         try:
-            line = await act(client, target)
+            line = await act(operators, target)
         except Exception as error:
-            line = f"{target.workflow_id}: not done: {failure_text(error)}"
-            failures.append((target, failure_text(error)))
+            why = refusal_text(error)
+            line = f"{target.workflow_id}: not done: {why}"
+            failures.append((target, why))
         finally:
             slots.release()
         finished += 1
@@ -191,9 +152,11 @@ async def act_on_all(client: Client, targets: list[Target], act: Act, rate: floa
 def run_bulk(settings: Settings, args: argparse.Namespace, doing: str, act: Act) -> int:
     """List what args.where selects, confirm, and act on each machine; doing: what is asked, for the prompt."""
 
-    async def run() -> int:
-        client = await connect_temporal(settings)
-        targets = await select(client, args.where)
+    async def run(operators: OperatorClient) -> int:
+        try:
+            targets = await operators.select(args.where)
+        except InvalidQuery as error:
+            raise UsageError(str(error)) from None
         if not targets:
             raise CommandError(f"no running machine workflow matches --where {args.where!r}: nothing done")
         print(f"{len(targets)} machine(s) match --where {args.where!r}:")
@@ -207,11 +170,11 @@ def run_bulk(settings: Settings, args: argparse.Namespace, doing: str, act: Act)
         if not args.yes and not confirmed(f"{doing} on these {len(targets)} machine(s)?"):
             print("nothing done")
             return EXIT_FAILURE
-        failures = await act_on_all(client, targets, act, args.rate)
+        failures = await act_on_all(operators, targets, act, args.rate)
         print(f"done: {len(targets) - len(failures)} of {len(targets)} succeeded", end="")
         print(f", {len(failures)} did not:" if failures else "")
         for target, why in failures:
             print(f"  {target.workflow_id}: {why}")
         return EXIT_FAILURE if failures else EXIT_OK
 
-    return asyncio.run(run())
+    return operate(settings, run)

@@ -47,11 +47,11 @@ from lifecycle.contracts import (
     MachineStatus,
     machine_workflow_id,
 )
+from operations.machine_reads import machine_stages
 from processes.worker import ensure_fleet_schedules
 from providers import ProviderError
 from providers.static import load_inventory
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
-from shepherd.commands.machines import machine_stages
 
 TEMPORAL_PORT = 7233
 TEMPORAL_UI_PORT = 8233

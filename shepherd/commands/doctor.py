@@ -52,11 +52,13 @@ from foundation.startup import (
 from foundation.temporal_connection import TemporalConfigError, TemporalConnection, load_temporal_connection
 from foundation.tls import days_left, load_ca_certificates
 from lifecycle.contracts import SEARCH_ATTRIBUTES, provider_task_queue
+from operations.client import OperatorClient
+from operations.fleet_control import FleetError
 from providers import Availability, ProviderError
 from providers.registry import open_provider
 from shepherd.commands.base import EXIT_FAILURE, EXIT_OK, Subcommands, add_common, duration_arg
 from shepherd.commands.dev import DevOptions, dev_settings, embedded_environment
-from shepherd.commands.fleet import FleetError, last_passes, schedule_line
+from shepherd.commands.fleet import schedule_line
 from shepherd.commands.machines import age
 
 # Each check's time limit unless --timeout says otherwise: longer than any healthy answer, short enough to wait.
@@ -453,11 +455,12 @@ class Doctor:
 
     async def fleet(self, provider: str) -> Verdict:
         assert self.client is not None
+        operators = OperatorClient(self.settings, temporal=self.client)
         try:
-            line, facts = await schedule_line(self.client, provider)
+            line, facts = await schedule_line(operators, provider)
         except FleetError as error:
             fail(str(error), schedule_id=None)
-        passes = await last_passes(self.client, provider, 1)
+        passes = await operators.last_passes(provider, 1)
         if not passes:
             last = "no passes yet"
             facts["last_pass"] = None

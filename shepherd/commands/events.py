@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from bmdb.store import BMDB, Event, MachineRecord
+from bmdb.store import Event, MachineRecord
 from foundation.settings import Settings
 from lifecycle.contracts import machine_workflow_id
-from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, no_temporal, positive_int, show, with_bmdb
-from shepherd.commands.machine_ref import resolve_machine
+from operations.client import OperatorClient
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, operate, positive_int, show
 
 _CLOCK = "%Y-%m-%d %H:%M:%S"
 _FLEET = "(fleet)"
@@ -50,7 +50,7 @@ def _machine_heading(record: MachineRecord) -> str:
 
 
 async def print_events(
-    bmdb: BMDB,
+    operators: OperatorClient,
     name: str | None,
     limit: int,
     *,
@@ -58,9 +58,8 @@ async def print_events(
     as_json: bool = False,
     out: TextIO | None = None,
 ) -> int:
-    record = None if name is None else await resolve_machine(bmdb, name)
-    machine_id = None if record is None else record.machine_id
-    events = await (bmdb.list_actions if actions else bmdb.list_events)(machine_id, limit=limit)
+    """Print the event log of the machine of that name, or the fleet's, as lines or as JSON."""
+    record, events = await operators.events(name, limit, actions=actions)
     what = "operator actions and reboots" if actions else "events"
     heading = _machine_heading(record) if record else f"the fleet's {what}" + (" on every machine" if actions else "")
     document: dict[str, Any] = {
@@ -96,8 +95,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    return with_bmdb(
+    return operate(
         settings,
-        no_temporal,
-        lambda _, bmdb: print_events(bmdb, args.machine, args.limit, actions=args.actions, as_json=args.json),
+        lambda operators: print_events(operators, args.machine, args.limit, actions=args.actions, as_json=args.json),
     )

@@ -3,178 +3,77 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TextIO
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
-from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
-
-from bmdb.store import BMDB, BMDBUnavailable
+from bmdb.store import BMDBUnavailable
 from foundation.settings import Settings, format_duration
-from foundation.startup import connect_temporal
-from lifecycle.contracts import FLEET_WORKFLOW_TYPE, fleet_schedule_id
+from lifecycle.contracts import fleet_schedule_id
+from operations.client import OperatorClient
+from operations.fleet_control import FleetAction, FleetPass, HoldRelease
 from shepherd.commands.base import (
-    CommandError,
     Subcommands,
     UsageError,
     add_by,
     add_common,
-    no_temporal,
+    operate,
     operator,
     positive_int,
     reason_arg,
     show,
-    with_bmdb,
 )
 
-
-class FleetError(Exception):
-    """The fleet schedule is missing or could not be changed; the message says why."""
+__all__ = ["FleetAction", "FleetPass", "format_passes", "held_lines", "print_fleet", "schedule_line"]
 
 
-@dataclass(frozen=True)
-class FleetAction:
-    """What ``shepherd fleet`` was asked to do to the schedule (pause, resume, trigger), with the note and who."""
-
-    pause: bool = False
-    resume: bool = False
-    trigger: bool = False
-    note: str = ""
-    by: str = "unknown"
-
-    @property
-    def event_kind(self) -> str | None:
-        """The fleet event that records this action in BMDB; None when it changes nothing."""
-        if self.pause:
-            return "fleet_paused"
-        if self.resume:
-            return "fleet_resumed"
-        return "fleet_triggered" if self.trigger else None
-
-
-async def log_fleet_action(bmdb: BMDB, providers: Sequence[str], action: FleetAction) -> None:
-    """Record a pause, resume or trigger of each provider's schedule as a fleet event naming who asked."""
-    if action.event_kind is None:
-        return
-    for provider in providers:
-        detail = f"provider {provider}: by {action.by}" + (f": {action.note}" if action.note else "")
-        await bmdb.add_event(None, action.event_kind, detail)
-
-
-@dataclass(frozen=True)
-class FleetPass:
-    """One fleet pass as ``shepherd fleet`` shows it: when it started, how it ended, its result and why."""
-
-    started_at: datetime | None
-    outcome: str  # running, completed, refused, failed, ...
-    result: dict[str, Any]  # FleetPassResult as JSON; empty while running or when nothing came back
-    why: str | None = None
-
-
-async def apply(client: Client, provider: str, action: FleetAction) -> str | None:
-    """Pause, resume or trigger the provider's fleet schedule; what was done, for the operator."""
+def done_line(provider: str, action: FleetAction) -> str:
+    """What an action on the provider's schedule did, for the operator."""
     schedule_id = fleet_schedule_id(provider)
-    handle = client.get_schedule_handle(schedule_id)
-    note = f"{action.note or 'no note'} (by {action.by})"
-    try:
-        if action.pause:
-            await handle.pause(note=note)
-            return f"paused the fleet schedule {schedule_id}: no passes until `shepherd fleet --resume`"
-        if action.resume:
-            await handle.unpause(note=note)
-            return f"resumed the fleet schedule {schedule_id}"
-        if action.trigger:
-            await handle.trigger()
-            return f"started a fleet pass of {provider} now"
-    except RPCError as error:
-        raise _schedule_error(schedule_id, error) from None
-    return None
+    if action.pause:
+        return f"paused the fleet schedule {schedule_id}: no passes until `shepherd fleet --resume`"
+    if action.resume:
+        return f"resumed the fleet schedule {schedule_id}"
+    return f"started a fleet pass of {provider} now"
 
 
-def _schedule_error(schedule_id: str, error: RPCError) -> FleetError:
-    if error.status == RPCStatusCode.NOT_FOUND:
-        return FleetError(f"there is no fleet schedule {schedule_id!r} yet: a worker creates it when it starts")
-    return FleetError(f"cannot reach the fleet schedule {schedule_id!r}: {error}")
-
-
-async def schedule_line(client: Client, provider: str) -> tuple[str, dict[str, Any]]:
+async def schedule_line(operators: OperatorClient, provider: str) -> tuple[str, dict[str, Any]]:
     """The schedule's state in one line, and as facts for --json."""
-    schedule_id = fleet_schedule_id(provider)
-    try:
-        description = await client.get_schedule_handle(schedule_id).describe()
-    except RPCError as error:
-        raise _schedule_error(schedule_id, error) from None
-    state = description.schedule.state
-    intervals = description.schedule.spec.intervals
-    every = f"every {format_duration(intervals[0].every.total_seconds())}" if intervals else "on its own calendar"
-    upcoming = description.info.next_action_times[:1]
+    state = await operators.schedule(provider)
+    every = "on its own calendar"
+    if state.interval_seconds is not None:
+        every = f"every {format_duration(state.interval_seconds)}"
     facts = {
-        "schedule_id": schedule_id,
+        "schedule_id": state.schedule_id,
         "paused": state.paused,
         "note": state.note or None,
-        "interval_seconds": intervals[0].every.total_seconds() if intervals else None,
-        "next_pass_at": upcoming[0].isoformat() if upcoming and not state.paused else None,
+        "interval_seconds": state.interval_seconds,
+        "next_pass_at": state.next_pass_at.isoformat() if state.next_pass_at and not state.paused else None,
     }
     if state.paused:
-        line = f"schedule {schedule_id}: PAUSED ({state.note or 'no note'}), {every}"
+        line = f"schedule {state.schedule_id}: PAUSED ({state.note or 'no note'}), {every}"
     else:
-        next_pass = f", next pass {_clock(upcoming[0])}" if upcoming else ""
-        line = f"schedule {schedule_id}: running, {every}{next_pass}"
+        next_pass = f", next pass {_clock(state.next_pass_at)}" if state.next_pass_at else ""
+        line = f"schedule {state.schedule_id}: running, {every}{next_pass}"
     return line, facts
 
 
-async def last_passes(client: Client, provider: str, count: int) -> list[FleetPass]:
-    """The provider's most recent passes, newest first; a pass runs under its schedule's id and a timestamp."""
-    passes = []
-    query = f'WorkflowType = "{FLEET_WORKFLOW_TYPE}" AND WorkflowId STARTS_WITH "{fleet_schedule_id(provider)}-"'
-    async for execution in client.list_workflows(query, limit=count):
-        handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
-        status = execution.status
-        if status == WorkflowExecutionStatus.RUNNING:
-            passes.append(FleetPass(execution.start_time, "running", {}))
-            continue
-        try:
-            result = await handle.result(follow_runs=False)
-            passes.append(FleetPass(execution.start_time, "completed", result if isinstance(result, dict) else {}))
-        except WorkflowFailureError as failure:
-            passes.append(_failed_pass(execution.start_time, failure))
-    passes.sort(key=lambda p: p.started_at or datetime.min, reverse=True)
-    return passes
-
-
-def _failed_pass(started_at: datetime | None, failure: WorkflowFailureError) -> FleetPass:
-    cause = failure.cause
-    result: dict[str, Any] = {}
-    if isinstance(cause, ApplicationError):
-        # The pass result travels as the failure's detail, so a refused pass still shows its counts.
-        if cause.details and isinstance(cause.details[0], dict):
-            result = cause.details[0]
-        outcome = "refused" if cause.type == "ReconcileRefused" else "failed"
-        return FleetPass(started_at, outcome, result, cause.message)
-    return FleetPass(started_at, type(cause).__name__.lower() if cause else "failed", result, str(cause or failure))
-
-
-async def release_recoveries(bmdb: BMDB, providers: Sequence[str], by: str, reason: str) -> list[str]:
-    """Let each provider's held recoveries go ahead until its silence ends; a line for the operator each."""
+def release_lines(releases: Sequence[HoldRelease]) -> list[str]:
+    """A line for the operator for each provider whose held recoveries were asked to go ahead."""
     lines = []
-    for provider in providers:
-        hold, released = await bmdb.release_recoveries(provider, by=by, reason=reason)
-        if hold is None:
-            lines.append(f"provider {provider}: no recoveries are held")
-        elif released:
+    for hold in releases:
+        if hold.held_since is None:
+            lines.append(f"provider {hold.provider}: no recoveries are held")
+        elif hold.released_now:
             lines.append(
-                f"provider {provider}: released the recoveries held since {_clock(hold.held_since)} "
+                f"provider {hold.provider}: released the recoveries held since {_clock(hold.held_since)} "
                 f"({hold.silent_count} machines silent): the next pass signals them"
             )
         else:
             lines.append(
-                f"provider {provider}: already released by {hold.released_by} at {_clock(hold.released_at)}: "
+                f"provider {hold.provider}: already released by {hold.released_by} at {_clock(hold.released_at)}: "
                 f"{hold.release_reason}"
             )
     return lines
@@ -241,7 +140,7 @@ def format_passes(passes: list[FleetPass]) -> list[str]:
 
 
 async def print_fleet(
-    client: Client,
+    operators: OperatorClient,
     providers: Sequence[str],
     action: FleetAction,
     *,
@@ -257,9 +156,9 @@ async def print_fleet(
     documents: list[dict[str, Any]] = []
     lines: list[str] = [*told]
     for provider in providers:
-        done = await apply(client, provider, action)
-        line, facts = await schedule_line(client, provider)
-        recent = await last_passes(client, provider, passes)
+        done = done_line(provider, action) if await operators.apply(provider, action) else None
+        line, facts = await schedule_line(operators, provider)
+        recent = await operators.last_passes(provider, passes)
         rows = [
             {
                 "started_at": p.started_at.isoformat() if p.started_at else None,
@@ -319,29 +218,18 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if args.provider is not None:
         providers = [settings.provider_instance(args.provider).name]
 
-    async def show(client: Client, told: Sequence[str] = ()) -> int:
-        return await print_fleet(client, providers, action, passes=args.passes, as_json=args.json, told=told)
+    async def act(operators: OperatorClient) -> int:
+        told: list[str] = []
+        if args.release_recoveries:
+            # BMDB is opened only to release: pausing must work while BMDB is down.
+            told = release_lines(await operators.release_recoveries(providers, by, args.reason))
+        code = await print_fleet(operators, providers, action, passes=args.passes, as_json=args.json, told=told)
+        if action.event_kind is not None:
+            try:
+                await operators.log_fleet_action(providers, action)
+            except BMDBUnavailable as error:
+                # Done is done: the schedule's note keeps who asked.
+                print(f"not recorded in BMDB's event log: {error}", file=sys.stderr)
+        return code
 
-    async def release(client: Client, bmdb: BMDB) -> int:
-        return await show(client, await release_recoveries(bmdb, providers, by, args.reason))
-
-    async def connected() -> Client:
-        return await connect_temporal(settings)
-
-    async def show_only() -> int:
-        return await show(await connected())
-
-    if args.release_recoveries:
-        # BMDB is opened only to release: pausing must work while BMDB is down.
-        return with_bmdb(settings, connected, release, FleetError)
-    try:
-        code = asyncio.run(show_only())
-    except FleetError as error:
-        raise CommandError(str(error)) from None
-    if action.event_kind is not None:
-        try:
-            with_bmdb(settings, no_temporal, lambda _, bmdb: log_fleet_action(bmdb, providers, action))
-        except BMDBUnavailable as error:
-            # Done is done: the schedule's note keeps who asked.
-            print(f"not recorded in BMDB's event log: {error}", file=sys.stderr)
-    return code
+    return operate(settings, act)

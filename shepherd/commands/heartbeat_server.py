@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from bmdb.local_postgres import bmdb_url
 from foundation.settings import Settings
 from processes.heartbeat_server import HeartbeatProcessStopped, run_heartbeat_server, serve_in_processes
-from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, database, positive_int
+from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, positive_int
 
 
 def register(commands: Subcommands) -> None:
@@ -25,7 +26,7 @@ def register(commands: Subcommands) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     settings.check_heartbeat_server()
-    with database(settings) as url:
+    with bmdb_url(settings) as url:
         try:
             if settings.heartbeat_processes > 1:
                 serve_in_processes(settings, url, settings.heartbeat_processes, verbose=args.verbose)

@@ -3,59 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import textwrap
-from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from temporalio.client import Client
-
-from bmdb.migrate import open_bmdb
-from bmdb.store import BMDB, MachineRecord
+from bmdb.store import MachineRecord
 from foundation.settings import Settings, format_duration
-from foundation.startup import connect_temporal
-from lifecycle.contracts import MACHINE_STAGE, RUNNING_MACHINES, MachineStage, machine_workflow_id
-from shepherd.commands.base import Subcommands, add_common, database, show
-
-NO_WORKFLOW = "-"
-
-
-@dataclass(frozen=True)
-class MachineView:
-    """One machine as ``shepherd machines`` lists it: BMDB's record, its workflow's stage, its recoveries."""
-
-    record: MachineRecord
-    stage: str  # the workflow's MachineStage, or NO_WORKFLOW
-    recoveries: int
-
-
-async def machine_stages(client: Client) -> dict[str, str]:
-    """Workflow id -> MachineStage of every running machine workflow."""
-    stages: dict[str, str] = {}
-    async for execution in client.list_workflows(RUNNING_MACHINES):
-        stages[execution.id] = execution.typed_search_attributes.get(MACHINE_STAGE) or NO_WORKFLOW
-    return stages
-
-
-async def stage_counts(client: Client) -> Counter[str]:
-    return Counter((await machine_stages(client)).values())
-
-
-async def fleet_view(client: Client, bmdb: BMDB) -> list[MachineView]:
-    stages = await machine_stages(client)
-    recoveries = await bmdb.recovery_counts()
-    return [
-        MachineView(
-            record,
-            MachineStage.DECOMMISSIONED.value
-            if record.retired_at
-            else stages.get(machine_workflow_id(record.provider, record.provider_id), NO_WORKFLOW),
-            recoveries.get(record.machine_id, 0),
-        )
-        for record in await bmdb.list_machines()
-    ]
+from lifecycle.contracts import MachineStage, machine_workflow_id
+from operations.client import OperatorClient
+from operations.machine_reads import NO_WORKFLOW, MachineView
+from shepherd.commands.base import Subcommands, add_common, operate, show
 
 
 def age(then: datetime | None, now: datetime) -> str:
@@ -122,6 +80,7 @@ def record_json(record: MachineRecord, recoveries: int) -> dict[str, Any]:
 
 
 def machine_json(view: MachineView) -> dict[str, Any]:
+    """One machine of the table as --json shows it."""
     return record_json(view.record, view.recoveries) | {"stage": None if view.stage == NO_WORKFLOW else view.stage}
 
 
@@ -134,6 +93,7 @@ class MachineFilter:
     provider: str | None = None
 
     def admits(self, view: MachineView) -> bool:
+        """Whether the machine is one the listing shows."""
         if self.stage is None and view.stage == MachineStage.DECOMMISSIONED:
             return False
         return (self.stage is None or view.stage == self.stage) and (
@@ -142,19 +102,14 @@ class MachineFilter:
 
 
 async def print_machines(
-    settings: Settings,
-    database_url: str,
+    operators: OperatorClient,
     out: TextIO | None = None,
     *,
     only: MachineFilter = MachineFilter(),
     as_json: bool = False,
 ) -> int:
-    client = await connect_temporal(settings)
-    bmdb = await open_bmdb(database_url)
-    try:
-        views = [view for view in await fleet_view(client, bmdb) if only.admits(view)]
-    finally:
-        await bmdb.close()
+    """Print the fleet's machines the filter admits, as a table or as JSON."""
+    views = [view for view in await operators.fleet_view() if only.admits(view)]
     return show(
         out, as_json, lambda: [machine_json(view) for view in views], lambda: format_machines(views, datetime.now(UTC))
     )
@@ -179,5 +134,4 @@ def register(commands: Subcommands) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     only = MachineFilter(stage=args.stage, provider=args.provider)
-    with database(settings) as url:
-        return asyncio.run(print_machines(settings, url, only=only, as_json=args.json))
+    return operate(settings, lambda operators: print_machines(operators, only=only, as_json=args.json))

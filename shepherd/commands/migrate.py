@@ -6,9 +6,10 @@ import argparse
 
 from bmdb import migrate
 from bmdb.connection_errors import first_line
+from bmdb.local_postgres import bmdb_url
 from bmdb.store import BMDBUnavailable
 from foundation.settings import Settings, redact_url
-from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, database
+from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common
 
 
 def register(commands: Subcommands) -> None:
@@ -18,7 +19,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    with database(settings) as url:
+    with bmdb_url(settings) as url:
         try:
             migrate.upgrade(url)
         except BMDBUnavailable:

@@ -8,64 +8,19 @@ workflow is never woken for them). This command puts both on one page.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime, timedelta
+from dataclasses import asdict
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from temporalio.client import Client
-from temporalio.service import RPCError
-
-from bmdb.store import BMDB, MachineRecord
 from foundation.settings import Settings
-from foundation.startup import connect_temporal
-from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, STATUS_QUERY, MachineStatus, machine_workflow_id
-from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, show, with_bmdb
-from shepherd.commands.machine_ref import describe_workflow, resolve_machine
+from lifecycle.contracts import MachineStatus
+from operations.client import OperatorClient
+from operations.machine_reads import MachineDetail
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, operate, show
 from shepherd.commands.machines import age, record_json
 
-_QUERY_TIMEOUT = timedelta(seconds=5)
 _LABEL = "{:<19} {}"
 _VALUE_WIDTH = 80 - 20
-
-
-@dataclass(frozen=True)
-class MachineDetail:
-    """One machine as ``shepherd status`` shows it: BMDB's record beside its workflow's state and status."""
-
-    record: MachineRecord
-    recoveries: int  # reboots in the event log, across every workflow run
-    workflow_id: str
-    workflow_state: str  # RUNNING, COMPLETED, ..., or NOT STARTED
-    status: MachineStatus | None
-    status_missing: str | None  # why there is no status, when there is none
-
-
-async def machine_detail(client: Client, bmdb: BMDB, name: str) -> MachineDetail:
-    record = await resolve_machine(bmdb, name)
-    recoveries = (await bmdb.recovery_counts(record.machine_id)).get(record.machine_id, 0)
-    workflow_id = machine_workflow_id(record.provider, record.provider_id)
-    description = await describe_workflow(client, workflow_id)
-    if description is None:
-        missing = "the workflow has not been started; the next fleet pass starts it"
-        return MachineDetail(record, recoveries, workflow_id, "NOT STARTED", None, missing)
-    state = description.status.name if description.status else "UNKNOWN"
-    if description.workflow_type != MACHINE_WORKFLOW_TYPE:
-        missing = f"{workflow_id} is a {description.workflow_type} workflow, not a machine's"
-        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
-    if state == "COMPLETED":
-        missing = "the machine was decommissioned, which completed its workflow"
-        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
-    if state != "RUNNING":
-        missing = "the workflow is not running; the next fleet pass starts it again"
-        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
-    try:
-        status = await client.get_workflow_handle(workflow_id).query(
-            STATUS_QUERY, result_type=MachineStatus, rpc_timeout=_QUERY_TIMEOUT
-        )
-    except RPCError as error:
-        missing = f"no worker answered the status query ({error.message or error.status.name})"
-        return MachineDetail(record, recoveries, workflow_id, state, None, missing)
-    return MachineDetail(record, recoveries, workflow_id, state, status, None)
 
 
 def _fit(text: str) -> str:
@@ -149,6 +104,7 @@ def _operator_rows(status: MachineStatus, now: datetime) -> list[tuple[str, str]
 
 
 def detail_json(detail: MachineDetail) -> dict[str, Any]:
+    """The machine whole as --json shows it: BMDB's record, the workflow's state and its status uncut."""
     return record_json(detail.record, detail.recoveries) | {
         "workflow_state": detail.workflow_state,
         "status": None if detail.status is None else asdict(detail.status),
@@ -157,9 +113,10 @@ def detail_json(detail: MachineDetail) -> dict[str, Any]:
 
 
 async def print_status(
-    client: Client, bmdb: BMDB, name: str, *, as_json: bool = False, out: TextIO | None = None
+    operators: OperatorClient, name: str, *, as_json: bool = False, out: TextIO | None = None
 ) -> int:
-    detail = await machine_detail(client, bmdb, name)
+    """Print the machine of that name whole, as lines or as JSON."""
+    detail = await operators.machine_detail(name)
     return show(out, as_json, lambda: detail_json(detail), lambda: format_detail(detail, datetime.now(UTC)))
 
 
@@ -174,8 +131,4 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    return with_bmdb(
-        settings,
-        lambda: connect_temporal(settings),
-        lambda client, bmdb: print_status(client, bmdb, args.machine, as_json=args.json),
-    )
+    return operate(settings, lambda operators: print_status(operators, args.machine, as_json=args.json))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from bmdb.local_postgres import bmdb_url
 from foundation.settings import Settings
 from processes.worker import run_worker
-from shepherd.commands.base import EXIT_OK, Subcommands, add_common, database
+from shepherd.commands.base import EXIT_OK, Subcommands, add_common
 
 
 def register(commands: Subcommands) -> None:
@@ -19,6 +20,6 @@ def register(commands: Subcommands) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     settings.check_agent()
-    with database(settings) as url:
+    with bmdb_url(settings) as url:
         asyncio.run(run_worker(settings, url))
     return EXIT_OK

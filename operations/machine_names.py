@@ -14,6 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from bmdb.store import BMDB, MachineRecord
 from lifecycle.contracts import MACHINE_WORKFLOW_TYPE, machine_workflow_id
+from operations.connections import OperatorError
 
 # Short enough to type, long enough that a typo rarely hits another machine.
 MIN_ID_PREFIX = 4
@@ -21,11 +22,12 @@ _ID_PREFIX = re.compile(r"^[0-9a-fA-F-]+$")
 _SHOWN_CANDIDATES = 5
 
 
-class MachineNotFound(Exception):
+class MachineNotFound(OperatorError):
     """No machine, or more than one, goes by that name, or its workflow does not run; the message says which."""
 
 
 async def resolve_machine(bmdb: BMDB, name: str) -> MachineRecord:
+    """The one machine BMDB knows by that name; MachineNotFound naming the candidates when none or several."""
     candidates: dict[str, MachineRecord] = {}
     for record in await _matches(bmdb, name.strip()):
         candidates[str(record.machine_id)] = record
@@ -70,7 +72,7 @@ async def describe_workflow(client: Client, workflow_id: str) -> WorkflowExecuti
 async def find_machine_workflow(client: Client, open_bmdb: Callable[[], Awaitable[BMDB]], machine: str) -> str:
     """The workflow id of the machine named by a workflow id, a provider id or a BMDB machine id (or prefix).
 
-    BMDB is opened only when the name is not a machine workflow's id.
+    BMDB is opened (by open_bmdb, whose caller closes it) only when the name is not a machine workflow's id.
     """
     if machine.startswith("machine-"):
         description = await describe_workflow(client, machine)
@@ -78,11 +80,7 @@ async def find_machine_workflow(client: Client, open_bmdb: Callable[[], Awaitabl
             if description.workflow_type != MACHINE_WORKFLOW_TYPE:
                 raise MachineNotFound(f"{machine} is a {description.workflow_type} workflow, not a machine's")
             return machine
-    bmdb = await open_bmdb()
-    try:
-        record = await resolve_machine(bmdb, machine)
-    finally:
-        await bmdb.close()
+    record = await resolve_machine(await open_bmdb(), machine)
     return machine_workflow_id(record.provider, record.provider_id)
 
 

@@ -1,0 +1,1 @@
+"""What operators do to the fleet: one client for the commands, and for an operator API to come."""

@@ -1,0 +1,60 @@
+"""The operator client's connections: Temporal and BMDB, each opened at its first use and closed together."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from types import TracebackType
+
+from temporalio.client import Client
+
+from bmdb.local_postgres import bmdb_url
+from bmdb.migrate import open_bmdb
+from bmdb.store import BMDB
+from foundation.settings import Settings
+from foundation.startup import connect_temporal
+
+
+class OperatorError(Exception):
+    """An operator's request could not be done; the message says why and what to do, and is shown as it is."""
+
+
+class Connections:
+    """Temporal and BMDB for one operator's requests. BMDB is opened only when a request needs it, so that a
+    local PostgreSQL starts only then and a request Temporal alone answers works while BMDB is down."""
+
+    def __init__(self, settings: Settings, *, temporal: Client | None = None, database_url: str | None = None) -> None:
+        self.settings = settings
+        self._temporal = temporal
+        self._database_url = database_url
+        self._bmdb: BMDB | None = None
+        self._closing = ExitStack()
+
+    async def temporal(self) -> Client:
+        """The Temporal client, connected at the first call."""
+        if self._temporal is None:
+            self._temporal = await connect_temporal(self.settings)
+        return self._temporal
+
+    async def bmdb(self) -> BMDB:
+        """BMDB, opened at the first call: the given URL, the settings', or a local PostgreSQL's."""
+        if self._bmdb is None:
+            url = self._database_url or self._closing.enter_context(bmdb_url(self.settings))
+            self._bmdb = await open_bmdb(url)
+        return self._bmdb
+
+    async def close(self) -> None:
+        """Close BMDB and stop a local PostgreSQL this client started; the Temporal client needs no closing."""
+        try:
+            if self._bmdb is not None:
+                await self._bmdb.close()
+                self._bmdb = None
+        finally:
+            self._closing.close()
+
+    async def __aenter__(self) -> Connections:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,165 @@
+"""What an operator asks of machines: an update or a recovery of one machine or of each a query selects, and a
+host-key pin forgotten after a reinstall. Every request carries who asked and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from lifecycle.contracts import (
+    FORCE_RECOVER_SIGNAL,
+    MACHINE_STAGE,
+    PROVIDER_ID,
+    RETRY_NOW_SIGNAL,
+    RUNNING_MACHINES,
+    MaintenanceRequest,
+    OperatorRequest,
+    RecoveryRequest,
+    machine_workflow_id,
+)
+from lifecycle.takeover import host_key_fingerprint
+from operations.connections import Connections, OperatorError
+from operations.machine_names import describe_workflow, resolve_machine, running_machine_workflow
+from operations.machine_reads import machine_status
+
+# Long enough for any operator's note, short enough for a status line.
+MAX_REASON_LENGTH = 500
+
+
+class OperatorRefused(OperatorError):
+    """The machine's workflow refused the request, and said why."""
+
+
+class InvalidQuery(OperatorError):
+    """A visibility query Temporal does not accept; the message quotes Temporal's reason."""
+
+
+class HostKeyError(OperatorError):
+    """The pin could not be reset, or the workflow not told; the message says what happened and what to do."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One machine a query selected: its workflow, provider id and stage at the time of the listing."""
+
+    workflow_id: str
+    provider_id: str
+    stage: str
+
+
+def check_reason(text: str) -> str:
+    """An operator's reason, stripped; ValueError when it is empty or too long to keep."""
+    reason = text.strip()
+    if not reason:
+        raise ValueError("the reason is empty; say why it is asked")
+    if len(reason) > MAX_REASON_LENGTH:
+        raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
+    return reason
+
+
+def refusal_text(error: BaseException) -> str:
+    """One line of why a request to one machine did not happen."""
+    if isinstance(error, WorkflowUpdateFailedError):
+        return str(getattr(error.cause, "message", None) or error.cause or error)
+    if isinstance(error, RPCError):
+        return error.message or error.status.name
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+class MachineActions(Connections):
+    """The requests operators send to machines' workflows."""
+
+    async def ask(self, name: str, update: str, request: OperatorRequest | MaintenanceRequest, *, then: str) -> str:
+        """Send the update to the running workflow of the machine of that name; its answer, or OperatorRefused
+        with its reason. then: what the operator should do once a workflow that does not run runs again."""
+        workflow_id = await running_machine_workflow(await self.temporal(), self.bmdb, name, then=then)
+        try:
+            return await self.ask_workflow(workflow_id, update, request)
+        except WorkflowUpdateFailedError as error:
+            raise OperatorRefused(f"{workflow_id}: {refusal_text(error)}") from None
+
+    async def ask_workflow(self, workflow_id: str, update: str, request: OperatorRequest | MaintenanceRequest) -> str:
+        """Send the update to one machine workflow; its answer, as a line naming the workflow."""
+        handle = (await self.temporal()).get_workflow_handle(workflow_id)
+        return f"{workflow_id}: {await handle.execute_update(update, request, result_type=str)}"
+
+    async def recover(self, name: str, request: RecoveryRequest) -> str:
+        """Ask the machine of that name for a recovery reboot; what happens, told by the stage it was in."""
+        reason = check_reason(request.reason)
+        workflow_id = await running_machine_workflow(await self.temporal(), self.bmdb, name, then="recover it again")
+        before = await self._stage_of(workflow_id)
+        await self.signal_recovery(workflow_id, request)
+        if before == "QUARANTINED":
+            return f"{workflow_id}: was QUARANTINED; the forced recovery releases it ({reason}) and reboots it"
+        if before == "RECOVERING":
+            return f"{workflow_id} is already RECOVERING; the request is recorded with the one under way"
+        if before in ("PROVISIONING", "AGENT_STARTING"):
+            return f"{workflow_id}: recovery requested ({reason}); it is {before}, the reboot follows the takeover"
+        return f"{workflow_id}: recovery requested ({reason}); it was {before}"
+
+    async def signal_recovery(self, workflow_id: str, request: RecoveryRequest) -> None:
+        """Signal force_recover to one machine workflow."""
+        await (await self.temporal()).get_workflow_handle(workflow_id).signal(FORCE_RECOVER_SIGNAL, request)
+
+    async def _stage_of(self, workflow_id: str) -> str:
+        # The status query needs a worker; without one the signal still waits in the history.
+        try:
+            return str((await machine_status(await self.temporal(), workflow_id)).stage)
+        except Exception:
+            return "in an unknown stage (no worker answered the status query)"
+
+    async def select(self, where: str) -> list[Target]:
+        """The running machine workflows a visibility query selects, by workflow id; InvalidQuery when Temporal
+        refuses the query."""
+        query = f"{RUNNING_MACHINES} AND ({where})"
+        targets = []
+        try:
+            async for execution in (await self.temporal()).list_workflows(query):
+                attributes = execution.typed_search_attributes
+                targets.append(
+                    Target(
+                        execution.id,
+                        attributes.get(PROVIDER_ID) or execution.id,
+                        attributes.get(MACHINE_STAGE) or "unknown",
+                    )
+                )
+        except RPCError as error:
+            if error.status == RPCStatusCode.INVALID_ARGUMENT:
+                raise InvalidQuery(f"--where {where!r} is not a query Temporal accepts: {error.message}") from None
+            raise
+        return sorted(targets, key=lambda t: t.workflow_id)
+
+    async def reset_host_key(self, name: str, reason: str, by: str = "unknown") -> str:
+        """Forget the pinned host key of the machine of that name and ask its workflow to retry now; what
+        happened. Temporal is reached first: a pin is not reset when the workflow cannot be told."""
+        client = await self.temporal()
+        bmdb = await self.bmdb()
+        record = await resolve_machine(bmdb, name)
+        machine = record.provider_id
+        if record.ssh_host_key is None:
+            return f"{machine} has no pinned host key; its next takeover pins the key it sees"
+        fingerprint = host_key_fingerprint(record.ssh_host_key)
+        why = f"by {by}: {reason}; was {fingerprint}"
+        if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, why):
+            raise HostKeyError(
+                f"the host key pin of {machine} changed while it was being reset; nothing was reset, "
+                f"see `shepherd events {machine}` and try again"
+            )
+        done = f"{machine}: host key pin {fingerprint} reset ({reason})"
+        workflow_id = machine_workflow_id(record.provider, record.provider_id)
+        try:
+            description = await describe_workflow(client, workflow_id)
+            if description is None:
+                return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
+            if description.status != WorkflowExecutionStatus.RUNNING:
+                return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
+            retry = OperatorRequest(f"host key pin reset: {reason}", by)
+            await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, retry)
+        except RPCError as error:
+            raise HostKeyError(
+                f"{done}, but {workflow_id} could not be asked to retry now ({error.message}); "
+                "it retries at the end of its back-off, or send it the retry_now signal"
+            ) from None
+        return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"
