@@ -56,6 +56,7 @@ class ActivityDeps:
         return agents, bundle
 
     def provider(self, name: str) -> Provider:
+        """The provider instance of that name; a non-retryable UnknownProvider error when this worker has none."""
         try:
             return self.providers[name]
         except KeyError:
@@ -66,6 +67,7 @@ class ActivityDeps:
             ) from None
 
     async def close(self) -> None:
+        """Close every provider, then BMDB."""
         for provider in self.providers.values():
             await provider.close()
         await self.bmdb.close()

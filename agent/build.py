@@ -245,6 +245,7 @@ def zipapp_executable(python: str, *, heartbeats: bool = True) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m agent.build OUT``: build the agent executable and print its path; 1 when the build failed."""
     parser = argparse.ArgumentParser(prog="python -m agent.build", description="Build the agent executable.")
     parser.add_argument("out", type=Path, help="where to write the executable")
     parser.add_argument(

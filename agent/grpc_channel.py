@@ -172,6 +172,7 @@ class Channel:
 
     @property
     def connected(self) -> bool:
+        """Whether an HTTP/2 connection is open."""
         return self._http2 is not None
 
     def unary(self, method: str, request: bytes, timeout: float) -> bytes:
@@ -207,6 +208,7 @@ class Channel:
             time.sleep(remaining)
 
     def close(self) -> None:
+        """Close the connection; calls still waiting on it fail with CANCELLED."""
         self._drop(RpcError("CANCELLED", "the channel was closed"))
 
     def _start(self, method: str, timeout: float | None, deadline: float) -> int:
@@ -425,10 +427,12 @@ class Call:
 
     @property
     def stream(self) -> _Stream:
+        """The call's stream on the channel; only once the call has sent."""
         assert self.stream_id is not None
         return self.channel._streams[self.stream_id]
 
     def send(self, message: bytes, deadline: float, *, end: bool = False) -> None:
+        """Send one message on the call, opening its stream at the first; end: the last message."""
         if self.stream_id is None:
             self.stream_id = self.channel._start(self.method, self.timeout, deadline)
         self.channel._send(self.stream_id, message, deadline, end=end)
@@ -440,5 +444,6 @@ class Call:
         return self.channel._receive(self.stream_id, deadline)
 
     def close(self) -> None:
+        """Cancel the call's stream, if it was opened."""
         if self.stream_id is not None:
             self.channel._cancel(self.stream_id)

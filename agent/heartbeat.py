@@ -61,6 +61,7 @@ class HeartbeatStream:
         self._call = channel.open_stream(HEARTBEATS_METHOD)
 
     def exchange(self, request: agent_api_pb2.HeartbeatRequest) -> agent_api_pb2.HeartbeatResponse:
+        """Send a heartbeat on the stream and return its answer; StreamUnavailable or HeartbeatFailed else."""
         deadline = time.monotonic() + ANSWER_TIMEOUT
         try:
             self._call.send(request.SerializeToString(), deadline)
@@ -78,6 +79,7 @@ class HeartbeatStream:
         return _parsed_answer(answer)
 
     def close(self) -> None:
+        """Cancel the stream."""
         self._call.close()
 
 

@@ -13,7 +13,8 @@ PRIVATE_KEY_SIZE = 32
 class Signer(Protocol):
     """What signs a heartbeat: an ed25519 key's sign, which returns the 64-byte signature."""
 
-    def sign(self, data: bytes) -> bytes: ...
+    def sign(self, data: bytes) -> bytes:
+        """The 64-byte ed25519 signature of data."""
 
 
 class AgentKey:
@@ -24,6 +25,7 @@ class AgentKey:
 
     @classmethod
     def generate(cls) -> AgentKey:
+        """A new random key pair."""
         return cls(SigningKey.generate())
 
     @classmethod
@@ -44,4 +46,5 @@ class AgentKey:
         return bytes(self._signing_key.verify_key)
 
     def sign(self, data: bytes) -> bytes:
+        """The 64-byte ed25519 signature of data with the private key."""
         return bytes(self._signing_key.sign(data).signature)

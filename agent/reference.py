@@ -74,6 +74,7 @@ def write_private_key(path: Path, key: AgentKey) -> None:
 
 
 def error_response(message: str) -> takeover_pb2.TakeoverResponse:
+    """A TakeoverResponse carrying the agent's error message."""
     return takeover_pb2.TakeoverResponse(error=takeover_pb2.TakeoverError(message=message))
 
 
@@ -124,6 +125,7 @@ def stop() -> str:
 
 
 def main() -> int:
+    """The agent's entry point: stop the running agent, run as the heartbeat daemon, or answer one takeover."""
     if sys.argv[1:] == [AGENT_STOP_ARGUMENT]:
         print(stop())
         return 0

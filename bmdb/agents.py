@@ -59,6 +59,7 @@ class AgentRecords(StoreBase):
             return True
 
     async def record_agent_started(self, machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> None:
+        """Record that the machine's agent started at started_at with that public key, replacing the last one's."""
         async with self.engine.begin() as conn:
             await conn.execute(_agent_started(machine_id, started_at, public_key))
 

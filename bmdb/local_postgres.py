@@ -40,6 +40,7 @@ class LocalPostgres:
         return str(self._server.get_uri())
 
     def stop(self) -> None:
+        """Leave the server, stopping it if no other process still uses it."""
         if self._server is not None:
             self._server.cleanup()
             self._server = None

@@ -113,6 +113,7 @@ class MachineRecords(StoreBase):
             return first_time
 
     async def list_provided(self, provider: str) -> list[ProvidedMachine]:
+        """Every machine BMDB has of that provider, by provider id, missing and retired ones too."""
         async with self.engine.connect() as conn:
             rows = await conn.execute(
                 select(
@@ -176,10 +177,12 @@ class MachineRecords(StoreBase):
         return changes
 
     async def get_machine(self, machine_id: uuid.UUID) -> MachineRecord | None:
+        """The machine's record with its agent's start and last heartbeat, or None when BMDB has none."""
         rows = await self._machine_records(machine_provided.c.machine_id == machine_id)
         return rows[0] if rows else None
 
     async def list_machines(self) -> list[MachineRecord]:
+        """Every machine's record with its agent's start and last heartbeat, by provider and provider id."""
         return await self._machine_records(None)
 
     async def machines_with_provider_id(self, provider_id: str) -> list[MachineRecord]:
@@ -236,6 +239,7 @@ class MachineRecords(StoreBase):
             ]
 
     async def count_by_status(self) -> dict[str, int]:
+        """Machines by provided status, and as agent_started and heartbeating those with an agent start, a heartbeat."""
         async with self.engine.connect() as conn:
             rows = await conn.execute(
                 select(machine_provided.c.status, func.count()).group_by(machine_provided.c.status)

@@ -18,6 +18,7 @@ MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config() -> Config:
+    """The Alembic configuration that finds the migrations shipped here."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     return config
@@ -56,6 +57,7 @@ def current_revision(url: str) -> str | None:
 
 
 def head_revision() -> str:
+    """The newest schema revision the shipped migrations reach."""
     from alembic.script import ScriptDirectory
 
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()

@@ -94,6 +94,7 @@ class SilentMachine:
         return self.agent_heartbeat_at or self.agent_started_at
 
     def cause(self) -> str:
+        """Why the agent counts as silent: no heartbeat since it started, or when its last heartbeat was."""
         if self.agent_heartbeat_at is None:
             return f"no heartbeat since the agent started at {self.agent_started_at.isoformat(timespec='seconds')}"
         return f"last heartbeat at {self.agent_heartbeat_at.isoformat(timespec='seconds')}"

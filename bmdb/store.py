@@ -75,6 +75,7 @@ class BMDB(MachineRecords, AgentRecords, HeartbeatWrites, WatchdogQueries, Recov
         )
 
     async def close(self) -> None:
+        """Close the heartbeat connection and dispose of the engine's pooled connections."""
         if self._heartbeat_connection is not None:
             await self._heartbeat_connection.close()
             self._heartbeat_connection = None

@@ -233,6 +233,7 @@ class AgentExecutable:
 
     @classmethod
     def of(cls, data: bytes) -> AgentExecutable:
+        """The executable of those bytes, with the machine it runs on and its SHA-256."""
         return cls(data=data, target=executable_target(data), sha256=sha256_hex(data))
 
     def describe(self) -> str:

@@ -39,6 +39,7 @@ FileSignature = tuple[int, int, int, int, int] | str
 
 
 def file_signature(path: Path) -> FileSignature:
+    """The file's signature now, or why it cannot be stat'ed."""
     try:
         status = os.stat(path)
     except OSError as error:

@@ -32,6 +32,7 @@ class ContextFilter(logging.Filter):
     """Puts the FIELDS on every record that has them to give."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Set each of the FIELDS on the record: its own value, else the Temporal workflow id or the machine context."""
         found: dict[str, str] = {}
         temporal = getattr(record, "temporal_workflow", None) or getattr(record, "temporal_activity", None)
         if isinstance(temporal, dict) and temporal.get("workflow_id"):
@@ -50,6 +51,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
+        """The record as a text line, with the FIELDS it has in brackets after the message."""
         line = super().format(record)
         fields = " ".join(f"{name}={getattr(record, name)}" for name in FIELDS if getattr(record, name, None))
         if not fields:
@@ -62,6 +64,7 @@ class JsonFormatter(logging.Formatter):
     """Log lines as one JSON object each, with the FIELDS a record has and any traceback as ``error``."""
 
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one JSON object: time, level, logger, message, the FIELDS it has and any error."""
         entry: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
@@ -75,6 +78,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(log_format: str = "text", *, verbose: bool = False) -> None:
+    """Log to stderr as text or JSON, at DEBUG when verbose, with the noisy libraries quieted."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(ContextFilter())
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
@@ -97,6 +101,7 @@ class LogContextInterceptor(Interceptor):
     """Gives every log line of an activity the machine its input names."""
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        """Wrap the activity so that its log lines carry the machine fields and workflow id."""
         return _ActivityLogContext(next)
 
 

@@ -59,6 +59,7 @@ def metrics_runtime(listen: str, process: str, *, setting: str = "metrics_listen
 
 
 def meter_of(runtime: Runtime | None) -> MetricMeter:
+    """The runtime's metric meter, or the no-op meter when there is no runtime."""
     return runtime.metric_meter if runtime is not None else MetricMeter.noop
 
 
@@ -76,6 +77,7 @@ class WorkerMetrics:
 
     @classmethod
     def on(cls, meter: MetricMeter) -> WorkerMetrics:
+        """The worker's metrics, created on that meter."""
         return cls(
             takeovers=meter.create_counter(
                 "shepherd_takeovers_total", "Agent takeovers over SSH, by outcome (ok or the failure kind)"
@@ -125,6 +127,7 @@ class CertificateExpiry:
         self._problems: dict[str, str] = {}
 
     def watch(self, name: str, *sources: CertificateSource) -> None:
+        """Report the days until the soonest expiry among the certificates of sources, under that name."""
         self._watched[name] = sources
 
     def watch_bmdb_client(self, database_url: str) -> None:

@@ -70,10 +70,12 @@ class TemporalConnection:
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def source(self, part: str) -> str:
+        """Where the part was set, or "default" where nothing set it."""
         return self.sources.get(part, "default")
 
     @property
     def uses_tls(self) -> bool:
+        """Whether the connection uses TLS: as the configuration says, else when an API key or TLS material is set."""
         if self.tls is not None and self.tls.disabled is not None:
             return not self.tls.disabled
         # An API key or any TLS material turns TLS on, as it does for the Temporal CLI.

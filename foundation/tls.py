@@ -74,6 +74,7 @@ class CertificateAuthority:
 
     @property
     def certificate_pem(self) -> bytes:
+        """The CA's certificate, PEM-encoded."""
         return self._certificate.public_bytes(serialization.Encoding.PEM)
 
     def issue(

@@ -21,19 +21,24 @@ class RecordedMachine(Protocol):
     """A machine as BMDB records it, as far as the rule reads it (bmdb.store.ProvidedMachine is one)."""
 
     @property
-    def machine_id(self) -> uuid.UUID: ...
+    def machine_id(self) -> uuid.UUID:
+        """The machine's BMDB id."""
 
     @property
-    def provider_id(self) -> str: ...
+    def provider_id(self) -> str:
+        """The machine's id at its provider."""
 
     @property
-    def being_created(self) -> bool: ...
+    def being_created(self) -> bool:
+        """Admitted, and not yet created by its provider."""
 
     @property
-    def missing(self) -> bool: ...
+    def missing(self) -> bool:
+        """Marked when the provider stopped listing it."""
 
     @property
-    def retired(self) -> bool: ...
+    def retired(self) -> bool:
+        """Decommissioned: never adopted, started or watched again."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class ReconcilePlan:
 
     @property
     def refused(self) -> bool:
+        """Whether the pass creates nothing because the provider and BMDB disagree."""
         return bool(self.disagreements)
 
 

@@ -59,6 +59,7 @@ class StandIn:
         self.seconds += (seconds - self.seconds) * max(STAND_IN_WEIGHT, 1 / self._timed)
 
     async def wait(self) -> None:
+        """Wait as long as the operation takes on average, allowing for how much waits overshoot."""
         asked = max(0.0, self.seconds - self._overshoot)
         started = time.perf_counter()
         await self._sleep(asked)
@@ -82,6 +83,7 @@ class SignatureChecks:
         self._checking: asyncio.Task[None] | None = None
 
     async def signed_by(self, key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
+        """Whether request carries a valid signature by the ed25519 public key, checked with others waiting."""
         outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiting.append((key, request, outcome))
         if self._checking is None:
@@ -89,6 +91,7 @@ class SignatureChecks:
         return await outcome
 
     def close(self) -> None:
+        """Shut the checking threads down, dropping the checks not yet begun."""
         for executor in self._executors:
             executor.shutdown(wait=False, cancel_futures=True)
 

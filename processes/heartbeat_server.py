@@ -86,6 +86,7 @@ class ServingCertificate:
         self._lock = threading.Lock()
 
     def credentials(self) -> grpc.ServerCredentials:
+        """The gRPC server credentials that serve this pair and call fetch before every handshake."""
         return grpc.dynamic_ssl_server_credentials(self._configuration, self.fetch)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:

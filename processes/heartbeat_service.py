@@ -120,6 +120,7 @@ class HeartbeatRejected(Exception):
 
     @property
     def trailing(self) -> tuple[tuple[str, str], ...]:
+        """The unary call's trailing metadata: the server's time, when the refusal carries one."""
         return ((SERVER_TIME_METADATA, str(self.server_time_ms)),) if self.server_time_ms else ()
 
 
@@ -198,6 +199,7 @@ class HeartbeatService:
         return len(keys)
 
     async def close(self) -> None:
+        """Stop the heartbeat batcher, answering those still queued as not recorded, then the signature checks."""
         await self.batcher.close()
         self._signature_checks.close()
 

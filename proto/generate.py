@@ -18,6 +18,7 @@ ROOT = PROTO_DIR.parent
 
 
 def proto_files() -> list[Path]:
+    """The .proto files beside this module, in name order."""
     return sorted(PROTO_DIR.glob("*.proto"))
 
 
@@ -53,6 +54,7 @@ def stale_files() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Regenerate the modules, or with --check only say which are stale; 1 when any is."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="only check that the generated code is current")
     args = parser.parse_args(argv)

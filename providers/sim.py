@@ -76,9 +76,11 @@ class SimProvider:
         self._session: aiohttp.ClientSession | None = None
 
     def is_valid_id(self, provider_id: str) -> bool:
+        """Whether provider_id has the simulator's form, node- and four or more digits."""
         return _ID.fullmatch(provider_id) is not None
 
     async def close(self) -> None:
+        """Close the HTTP session, if one was opened."""
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -121,6 +123,7 @@ class SimProvider:
         return f"/v1/machines/{quote(provider_id, safe='')}"
 
     async def list_machines(self) -> list[ProviderMachine]:
+        """Every machine and free slot the simulator lists."""
         where = "list machines"
         status, payload = await self._request(where, "GET", "/v1/machines")
         if status != 200:
@@ -130,6 +133,7 @@ class SimProvider:
         return [parse_machine(item, where, self.name) for item in payload["machines"]]
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
+        """The simulator's machine of that id; MachineNotFound when it has none."""
         where = f"get machine {provider_id}"
         status, payload = await self._request(where, "GET", self._machine_path(provider_id))
         if status == 404:
@@ -139,6 +143,7 @@ class SimProvider:
         return parse_machine(payload, where, self.name)
 
     async def create_machine(self, provider_id: str, idempotency_key: str, ssh_public_key: str) -> ProviderMachine:
+        """Create a machine in the free slot provider_id, idempotently by key; CapacityConflict if it is taken."""
         where = f"create machine {provider_id}"
         body = {"capacity_id": provider_id, "idempotency_key": idempotency_key, "ssh_public_key": ssh_public_key}
         status, payload = await self._request(where, "POST", "/v1/machines", body)
@@ -151,6 +156,7 @@ class SimProvider:
         return parse_machine(payload, where, self.name)
 
     async def reboot_machine(self, provider_id: str) -> Rebooted:
+        """Reboot the machine; the simulator answers once its SSH is down for the boot."""
         where = f"reboot machine {provider_id}"
         status, payload = await self._request(where, "POST", self._machine_path(provider_id) + "/reboot")
         if status == 404:
@@ -161,6 +167,7 @@ class SimProvider:
         return Rebooted(went_down=True, detail="the simulator took SSH down for the boot")
 
     async def retire_machine(self, provider_id: str) -> Retired:
+        """Release the machine to the simulator, which wipes it and frees its slot; untouched if gone already."""
         where = f"release machine {provider_id}"
         status, payload = await self._request(where, "DELETE", self._machine_path(provider_id))
         if status == 404:

@@ -95,6 +95,7 @@ def run_and_exit() -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse argv (default: the process's arguments) and run the command it names; the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         # The simulator parses its own arguments, help included.

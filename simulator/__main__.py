@@ -16,6 +16,7 @@ from simulator.state import Faults, SimulatorConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shepherd sim`` argument parser: slots, state dir, listen addresses, boot time and faults."""
     parser = argparse.ArgumentParser(prog="shepherd sim", description="Run the fleet simulator.")
     parser.add_argument("--machines", type=int, default=20, help="capacity slots (default 20)")
     parser.add_argument("--state-dir", type=Path, default=Path(".shepherd/sim"), help="where the fleet is kept")
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> SimulatorConfig:
+    """The simulator's configuration from the parsed arguments; ValueError for a bad value."""
     faults = Faults(
         api_latency=args.api_latency,
         api_error_rate=args.api_error_rate,
@@ -70,6 +72,7 @@ def config_from(args: argparse.Namespace) -> SimulatorConfig:
 
 
 async def serve(config: SimulatorConfig, metrics_listen: str = "") -> None:
+    """Run the simulator, and its /metrics where metrics_listen names an address, until SIGTERM or SIGINT."""
     runtime = metrics_runtime(metrics_listen, "simulator", setting="--metrics-listen")
     simulator = Simulator(config, meter_of(runtime))
     stop = asyncio.Event()
@@ -84,6 +87,7 @@ async def serve(config: SimulatorConfig, metrics_listen: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``shepherd sim``: run the fleet simulator until stopped; 1 when it cannot start."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

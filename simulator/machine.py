@@ -91,9 +91,11 @@ class SimulatedMachine:
 
     @property
     def listening(self) -> bool:
+        """Whether the machine's SSH server is up."""
         return self._server is not None
 
     async def start_ssh(self) -> None:
+        """Start the machine's SSH server on its recorded port, or on a new one if that is taken."""
         if self._server is not None:
             return
         try:
@@ -119,6 +121,7 @@ class SimulatedMachine:
         )
 
     async def stop_ssh(self) -> None:
+        """Stop the machine's SSH server and close the connections to it."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -151,6 +154,7 @@ class SimulatedMachine:
         return killed
 
     async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:
+        """Power the machine off and take SSH down; it boots again after boot_seconds, SSH up unless refused()."""
         killed = self._power_off()
         log.info("machine %s rebooting: killed %d process group(s)", self.machine_id, killed)
         await self.stop_ssh()
@@ -168,6 +172,7 @@ class SimulatedMachine:
         self._boot = asyncio.create_task(boot())
 
     async def shutdown(self) -> None:
+        """Cancel a boot under way, power the machine off and stop its SSH server."""
         if self._boot is not None:
             self._boot.cancel()
         self._power_off()

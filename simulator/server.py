@@ -52,9 +52,11 @@ class Simulator:
 
     @property
     def api_url(self) -> str:
+        """The URL of the simulator's HTTP API, with the port it listens on."""
         return f"http://{self.config.api_host}:{self._port}"
 
     async def start(self) -> None:
+        """Load the fleet, bring up its machines' SSH servers and serve the HTTP APIs."""
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         self.state = self.state_files.load()
         for record in self.state.machines.values():
@@ -83,6 +85,7 @@ class Simulator:
         log.info("simulator API on %s with %d slots, %d machines", self.api_url, len(self.slots), len(self.machines))
 
     async def stop(self) -> None:
+        """Stop serving the HTTP APIs and shut every machine down."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -109,6 +112,7 @@ class Simulator:
         return machine
 
     def view(self, slot: str) -> dict[str, Any]:
+        """The slot as the provider API shows it: free capacity, or the machine created in it."""
         machine = self.machines.get(slot)
         index = self._slot_index[slot]
         location = f"sim-rack-{index // 10 + 1}"
@@ -131,6 +135,7 @@ class Simulator:
         }
 
     async def apply_faults(self, changes: dict[str, Any]) -> None:
+        """Change the fault knobs, then stop or start each machine's SSH server as the refusals now say."""
         self.faults = self.faults.updated(changes)
         for machine in self.machines.values():
             if self.faults.refuses(machine.machine_id):

@@ -24,6 +24,7 @@ class Faults:
     exec_delay: float = 0.0
 
     def check(self) -> Faults:
+        """The faults themselves, once every knob is in range; ValueError naming the first that is not."""
         for name in ("api_latency", "api_error_rate", "api_malformed_rate", "exec_delay"):
             # nan passes every comparison below, and a nan or infinite delay holds every call for ever.
             if not math.isfinite(getattr(self, name)):
@@ -40,9 +41,11 @@ class Faults:
         return self
 
     def refuses(self, machine_id: str) -> bool:
+        """Whether the machine's SSH server refuses connections."""
         return "*" in self.ssh_refuse or machine_id in self.ssh_refuse
 
     def updated(self, changes: dict[str, Any]) -> Faults:
+        """These faults with the knobs of changes set, checked; ValueError for an unknown knob or a bad value."""
         unknown = set(changes) - set(asdict(self))
         if unknown:
             raise ValueError(f"unknown fault knob(s): {', '.join(sorted(unknown))}")
@@ -67,6 +70,7 @@ class SimulatorConfig:
     faults: Faults = field(default_factory=Faults)
 
     def check(self) -> SimulatorConfig:
+        """The configuration itself, once every value is in range; ValueError naming the first that is not."""
         if self.machines < 1:
             raise ValueError(f"machines must be at least 1, got {self.machines}")
         if not 0 <= self.api_port < 65536:
@@ -77,6 +81,7 @@ class SimulatorConfig:
         return self
 
     def slot_ids(self) -> list[str]:
+        """The ids of the capacity slots: node-0001 and on, zero-padded to at least four digits."""
         width = max(4, len(str(self.machines)))
         return [f"node-{n:0{width}d}" for n in range(1, self.machines + 1)]
 
@@ -129,6 +134,7 @@ class FleetState:
             raise ValueError(f"unknown change {sorted(change)}")
 
     def by_idempotency_key(self, key: str) -> MachineRecord | None:
+        """The machine created with that idempotency key, or None."""
         return next((m for m in self.machines.values() if m.idempotency_key == key), None)
 
 

@@ -46,6 +46,7 @@ class FleetWorkflow:
 
     @workflow.run
     async def run(self, input: FleetInput) -> FleetPassResult:
+        """Run one reconcile pass of the provider: plan, admit, ensure the workflows, find the silent; its result."""
         self._result = result = FleetPassResult(started_at=workflow.now().isoformat())
         try:
             result.plan = plan = await workflow.execute_activity_method(
@@ -136,4 +137,5 @@ class FleetWorkflow:
 
     @workflow.query
     def status(self) -> FleetPassResult | None:
+        """The pass's result so far, or None before it began."""
         return self._result

@@ -11,6 +11,7 @@ from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_commo
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd config`` to the commands."""
     parser = commands.add_parser("config", help="the effective settings and where each comes from, secrets hidden")
     add_common(parser)
     parser.add_argument("--json", action="store_true", help="JSON instead of TOML")
@@ -18,6 +19,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Print the effective settings and the Temporal connection, each with its source, as TOML or JSON."""
     _, sources = resolve_settings(args)
     try:
         connection = load_temporal_connection(settings).described()

@@ -17,6 +17,7 @@ from shepherd.commands.bulk import add_machines, run_update
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd decommission`` to the commands."""
     parser = commands.add_parser(
         "decommission", help="retire a machine for good: stop its agent, release or power it off, never adopt it again"
     )
@@ -26,4 +27,5 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Ask MACHINE, or each machine --where selects, to be decommissioned for good."""
     return run_update(settings, args, DECOMMISSION_UPDATE, doing="decommission (for good)", then="decommission it")

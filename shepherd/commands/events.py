@@ -81,6 +81,7 @@ async def print_events(
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd events`` to the commands."""
     parser = commands.add_parser(
         "events", help="a machine's event log, or the fleet's, newest first; --actions: who asked for what"
     )
@@ -95,6 +96,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Print the event log of MACHINE, or the fleet's; --actions: only operator actions and reboots."""
     return operate(
         settings,
         lambda operators: print_events(operators, args.machine, args.limit, actions=args.actions, as_json=args.json),

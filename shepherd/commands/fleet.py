@@ -181,6 +181,7 @@ async def print_fleet(
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd fleet`` to the commands."""
     parser = commands.add_parser("fleet", help="the fleet schedule and its last passes; pause, resume, trigger")
     add_common(parser)
     change = parser.add_mutually_exclusive_group()
@@ -204,6 +205,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Pause, resume or trigger the fleet schedules, or release held recoveries; then show each schedule."""
     if args.note and not (args.pause or args.resume):
         raise UsageError("--note goes with --pause or --resume")
     if args.release_recoveries and args.reason is None:

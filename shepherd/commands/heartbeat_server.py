@@ -12,6 +12,7 @@ from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_commo
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd heartbeat-server`` to the commands."""
     parser = commands.add_parser("heartbeat-server", help="serve the agents' authenticated heartbeats")
     add_common(parser)
     parser.add_argument("--listen", dest="heartbeat_listen", help=f"host:port (default {Settings().heartbeat_listen})")
@@ -25,6 +26,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Serve the agents' heartbeats, in one process or several sharing the port, until stopped."""
     settings.check_heartbeat_server()
     with bmdb_url(settings) as url:
         try:

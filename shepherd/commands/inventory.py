@@ -37,6 +37,7 @@ class MachineCheck:
 
     @property
     def ok(self) -> bool:
+        """Whether both the SSH and the BMC probe passed."""
         return self.ssh_ok and self.bmc_ok
 
 
@@ -94,6 +95,7 @@ async def check_inventory(path: Path, settings: Settings, *, as_json: bool = Fal
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd inventory check`` to the commands."""
     parser = commands.add_parser("inventory", help="check a static inventory: SSH and BMC of every machine")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     check = actions.add_parser("check", help="probe every machine's SSH login and BMC; exit 0 only if all pass")
@@ -104,4 +106,5 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Probe every machine of the inventory FILE; 0 only when all passed."""
     return asyncio.run(check_inventory(args.file, settings, as_json=args.json))

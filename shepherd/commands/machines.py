@@ -124,6 +124,7 @@ def stage_arg(text: str) -> str:
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd machines`` to the commands."""
     parser = commands.add_parser("machines", help="each machine's stage, agent age, last heartbeat and recoveries")
     add_common(parser)
     parser.add_argument("--stage", type=stage_arg, help="only machines in this stage (or - for no workflow)")
@@ -133,5 +134,6 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Print the fleet's machines, narrowed by --stage and --provider, as a table or as JSON."""
     only = MachineFilter(stage=args.stage, provider=args.provider)
     return operate(settings, lambda operators: print_machines(operators, only=only, as_json=args.json))

@@ -25,6 +25,7 @@ from shepherd.commands.bulk import add_where, check_target, run_bulk, updating
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd maintenance`` to the commands."""
     parser = commands.add_parser(
         "maintenance", help="take a machine out of automation (--on) for hardware work, and back (--off)"
     )
@@ -41,6 +42,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Put MACHINE, or each machine --where selects, into maintenance (--on) or back (--off)."""
     check_target(args)
     if args.on and args.reason is None:
         raise UsageError("--on needs --reason: why the machine goes into maintenance")

@@ -13,12 +13,14 @@ from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_commo
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd migrate`` to the commands."""
     parser = commands.add_parser("migrate", help="create or upgrade the BMDB schema")
     add_common(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Create or upgrade the BMDB schema and print the revision it is at."""
     with bmdb_url(settings) as url:
         try:
             migrate.upgrade(url)

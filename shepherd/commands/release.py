@@ -22,6 +22,7 @@ from shepherd.commands.base import (
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd release`` to the commands."""
     parser = commands.add_parser("release", help="let a QUARANTINED machine be recovered again (the release update)")
     add_common(parser)
     parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
@@ -31,5 +32,6 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Ask MACHINE's workflow to release it from quarantine."""
     request = OperatorRequest(args.reason, args.by or operator())
     return ask_machine(settings, args.machine, RELEASE_UPDATE, request, then="release it if it is quarantined again")

@@ -17,6 +17,7 @@ from shepherd.commands.bulk import add_machines, run_update
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd restart-agent`` to the commands."""
     parser = commands.add_parser(
         "restart-agent", help="take a machine over again with a new agent, without a reboot (restart_agent)"
     )
@@ -26,6 +27,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Ask MACHINE, or each machine --where selects, for a new takeover without a reboot."""
     return run_update(
         settings, args, RESTART_AGENT_UPDATE, doing="a new takeover without a reboot", then="restart its agent"
     )

@@ -11,6 +11,7 @@ __all__ = ["main", "register"]
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd sim`` to the commands, for the help; main runs it."""
     # Listed for `shepherd -h`; the cli hands `shepherd sim ...` to main before parsing.
     parser = commands.add_parser("sim", help="run the fleet simulator (provider API and SSH machines)", add_help=False)
     parser.add_argument("sim_args", nargs=argparse.REMAINDER)

@@ -10,6 +10,7 @@ from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_commo
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd ssh-key`` to the commands."""
     parser = commands.add_parser(
         "ssh-key", help="print Shepherd's public SSH key for authorized_keys (created when absent)"
     )
@@ -18,6 +19,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Print Shepherd's public SSH key in OpenSSH form, creating the key when absent."""
     try:
         key = load_or_create_ssh_key(settings.effective_ssh_key_path)
     except SSHIdentityError as error:

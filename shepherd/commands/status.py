@@ -121,6 +121,7 @@ async def print_status(
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd status`` to the commands."""
     parser = commands.add_parser(
         "status", help="one machine whole: its workflow's status query beside BMDB's agent and last heartbeat"
     )
@@ -131,4 +132,5 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Print MACHINE whole: its workflow's status beside BMDB's records."""
     return operate(settings, lambda operators: print_status(operators, args.machine, as_json=args.json))

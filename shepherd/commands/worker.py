@@ -12,6 +12,7 @@ from shepherd.commands.base import EXIT_OK, Subcommands, add_common
 
 
 def register(commands: Subcommands) -> None:
+    """Add ``shepherd worker`` to the commands."""
     parser = commands.add_parser("worker", help="run a worker against Temporal and BMDB")
     add_common(parser)
     parser.add_argument("--task-queue", help=f"task queue (default {Settings().task_queue})")
@@ -19,6 +20,7 @@ def register(commands: Subcommands) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Run a worker against Temporal and BMDB until stopped."""
     settings.check_agent()
     with bmdb_url(settings) as url:
         asyncio.run(run_worker(settings, url))

@@ -413,4 +413,5 @@ class MachineWorkflow(MachineFlows):
 
     @workflow.query(name=STATUS_QUERY)
     def status(self) -> MachineStatus:
+        """The ``status`` query: the machine's stage, attempts, errors, recoveries and operator holds."""
         return self._status
