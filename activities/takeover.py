@@ -11,13 +11,13 @@ from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
 from bmdb.store import HostKeyPinned, MachineRecord
+from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
 from lifecycle.takeover import (
     TakeoverError,
     TakeoverFailure,
     TakeoverSettings,
     TakeoverTarget,
-    host_key_fingerprint,
     key_fingerprint,
     stop_agent,
     take_over,

@@ -5,6 +5,8 @@ The checks are the seed Initializer's: the agent must exit with status 0,
 answer a TakeoverResponse, echo the TakeoverInit it was sent and give a
 32-byte ed25519 key. Every failure is a TakeoverError naming the machine, the
 address and the problem, with a TakeoverFailure saying which kind it is.
+The SSH session itself is foundation.ssh_sessions'; how its failures read
+as takeover problems is decided here, in one place.
 """
 
 from __future__ import annotations
@@ -13,19 +15,25 @@ import asyncio
 import base64
 import enum
 import hashlib
-import posixpath
-import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import asyncssh
-from asyncssh.public_key import get_default_public_key_algs
 from google.protobuf.message import DecodeError
 
 from foundation.executables import AgentExecutable
 from foundation.settings import Settings
+from foundation.ssh_sessions import (
+    CommandRun,
+    SSHFailure,
+    SSHLogin,
+    SSHSession,
+    SSHSessionError,
+    host_key_fingerprint,
+    ssh_answers,
+)
 from lifecycle.probe import (
     MachineFacts,
     ProbeError,
@@ -38,6 +46,9 @@ from lifecycle.probe import (
 )
 from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
+if TYPE_CHECKING:
+    import asyncssh
+
 ED25519_KEY_SIZE = 32
 # A TakeoverResponse is a few hundred bytes; an agent writing more than this is
 # broken, and Shepherd must not hold an unbounded reply in memory.
@@ -46,11 +57,15 @@ MAX_REPLY_SIZE = 64 << 10
 # each text it sends is cut to a line this long, and at most this many warnings are kept.
 MAX_TEXT = 300
 MAX_WARNINGS = 10
-# Of the agent's standard error only the end is kept: that is where the reason is.
-MAX_STDERR_KEPT = 64 << 10
+# The session keeps only the end of the agent's standard error, where the reason is; this much of it reaches the
+# result, and this much a message.
 STDERR_IN_RESULT = 4096
 STDERR_IN_MESSAGE = 500
-READ_CHUNK = 64 << 10
+# What the session is doing at each step, as a problem tells it.
+PROBING = "probing the machine"
+UPLOADING = "uploading the agent"
+RUNNING = "running the agent"
+STOPPING = "stopping the agent"
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,11 @@ class TakeoverTarget:
     # OpenSSH public key recorded at first contact (trust on first use); None
     # before the first contact, when any host key is accepted and reported.
     pinned_host_key: str | None = None
+
+    @property
+    def login(self) -> SSHLogin:
+        """Where and as whom an SSH session reaches the machine, and the host key it must show."""
+        return SSHLogin(self.address, self.port, self.username, self.pinned_host_key)
 
 
 @dataclass(frozen=True)
@@ -162,7 +182,7 @@ class TakeoverError(Exception):
     """Taking over one machine failed; str() is one sentence naming machine, address and problem."""
 
     def __init__(self, failure: TakeoverFailure, target: TakeoverTarget, problem: str) -> None:
-        super().__init__(f"takeover of machine {target.machine_id} at {_host_port(target)} failed: {problem}")
+        super().__init__(f"takeover of machine {target.machine_id} at {target.login.host_port} failed: {problem}")
         self.failure = failure
         self.target = target
         self.problem = problem
@@ -206,38 +226,24 @@ async def take_over(
     this can fail. The connection is always closed before this returns.
     """
     init = takeover_init(target.machine_id, settings)
-    connection = await _connect(target, settings.connect_timeout, client_key)
-    try:
-        host_key = _server_host_key(connection, target)
-        if pin is not None and target.pinned_host_key is None:
-            other = await pin(host_key)
-            if other is not None:
-                raise TakeoverError(
-                    TakeoverFailure.HOST_KEY_CHANGED,
-                    target,
-                    f"another takeover pinned host key {host_key_fingerprint(other)} first, this server shows "
-                    f"{host_key_fingerprint(host_key)}; find out who answers there, then `shepherd reset-host-key`",
-                )
-        phase = "probing the machine"
-        try:
-            async with asyncio.timeout(settings.exec_timeout):
-                facts = await _probe(connection, target, settings)
+    with _session_failures(target):
+        async with SSHSession(target.login, client_key, settings.connect_timeout) as session:
+            host_key = session.host_key()
+            if pin is not None and target.pinned_host_key is None:
+                other = await pin(host_key)
+                if other is not None:
+                    raise TakeoverError(
+                        TakeoverFailure.HOST_KEY_CHANGED,
+                        target,
+                        f"another takeover pinned host key {host_key_fingerprint(other)} first, this server shows "
+                        f"{host_key_fingerprint(host_key)}; find out who answers there, then `shepherd reset-host-key`",
+                    )
+            async with session.time_limit(settings.exec_timeout):
+                facts = await _probe(session, target, settings)
                 agent, tmp_dir = _agent_for(facts, target, settings)
-                phase = "uploading the agent"
-                await _upload(connection, target, settings.target_path, agent.data)
-                phase = "running the agent"
+                await session.upload(settings.target_path, agent.data, doing=UPLOADING)
                 command = run_command(settings.target_path, tmp_dir)
-                run = await _run(connection, target, command, init.SerializeToString())
-        except TimeoutError:
-            raise TakeoverError(
-                TakeoverFailure.EXEC_TIMEOUT, target, f"not done within {settings.exec_timeout:g}s while {phase}"
-            ) from None
-        except (asyncssh.Error, OSError) as error:
-            raise TakeoverError(
-                TakeoverFailure.SSH_ERROR, target, f"SSH failed while {phase}: {machine_text(str(error))}"
-            ) from None
-    finally:
-        await _close(connection, settings.connect_timeout)
+                run = await session.run(command, init.SerializeToString(), doing=RUNNING, stdout_limit=MAX_REPLY_SIZE)
 
     stderr = run.stderr.decode(errors="replace").strip()
     if run.exit_status != 0:
@@ -247,7 +253,7 @@ async def take_over(
             how = "ended without an exit status"
         else:
             how = f"exited with status {run.exit_status}"
-        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {run.stderr_line()}")
+        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {_stderr_line(run)}")
     success = _parse_reply(run.stdout, target)
     if success.init_message != init:
         raise TakeoverError(
@@ -273,15 +279,14 @@ async def take_over(
     )
 
 
-async def _probe(
-    connection: asyncssh.SSHClientConnection, target: TakeoverTarget, settings: TakeoverSettings
-) -> MachineFacts:
+async def _probe(session: SSHSession, target: TakeoverTarget, settings: TakeoverSettings) -> MachineFacts:
     """What the machine is, from the probe command's answer; TakeoverError BAD_PROBE when it answers none."""
-    run = await _run(connection, target, probe_command(settings.target_path), b"", TakeoverFailure.BAD_PROBE)
+    command = probe_command(settings.target_path)
+    run = await session.run(command, b"", doing=PROBING, stdout_limit=MAX_REPLY_SIZE)
     try:
         return parse_probe(run.stdout.decode(errors="replace"), settings.target_path)
     except ProbeError as error:
-        status = f"exit status {run.exit_status}, stderr: {run.stderr_line()}"
+        status = f"exit status {run.exit_status}, stderr: {_stderr_line(run)}"
         raise TakeoverError(TakeoverFailure.BAD_PROBE, target, f"{machine_text(str(error))} ({status})") from None
 
 
@@ -315,22 +320,14 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
     The host key is checked as for a takeover, before anything is sent. Raises TakeoverError when there is no
     session, or the executable does not confirm the stop (an agent without --stop, or none uploaded).
     """
-    connection = await _connect(target, settings.connect_timeout, client_key)
-    try:
-        async with asyncio.timeout(settings.exec_timeout):
-            _, tmp_dir = _agent_for(await _probe(connection, target, settings), target, settings)
+    with _session_failures(target, stopping=True):
+        async with (
+            SSHSession(target.login, client_key, settings.connect_timeout) as session,
+            session.time_limit(settings.exec_timeout),
+        ):
+            _, tmp_dir = _agent_for(await _probe(session, target, settings), target, settings)
             command = run_command(settings.target_path, tmp_dir, AGENT_STOP_ARGUMENT)
-            run = await _run(connection, target, command, b"")
-    except TimeoutError:
-        raise TakeoverError(
-            TakeoverFailure.EXEC_TIMEOUT, target, f"the agent's stop took longer than {settings.exec_timeout:g}s"
-        ) from None
-    except (asyncssh.Error, OSError) as error:
-        raise TakeoverError(
-            TakeoverFailure.SSH_ERROR, target, f"SSH failed while stopping the agent: {machine_text(str(error))}"
-        ) from None
-    finally:
-        await _close(connection, settings.connect_timeout)
+            run = await session.run(command, b"", doing=STOPPING, stdout_limit=MAX_REPLY_SIZE)
     lines = run.stdout.decode(errors="replace").strip().splitlines()
     answer = machine_text(lines[0]) if lines else ""
     if run.exit_status == 0 and answer.startswith(AGENT_STOPPED):
@@ -339,13 +336,8 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
         TakeoverFailure.EXEC_FAILED,
         target,
         f"{settings.target_path} {AGENT_STOP_ARGUMENT} did not confirm the stop (exit status {run.exit_status}, "
-        f"answer {answer[:100]!r}, stderr: {run.stderr_line()})",
+        f"answer {answer[:100]!r}, stderr: {_stderr_line(run)})",
     )
-
-
-def _host_port(target: TakeoverTarget) -> str:
-    address = f"[{target.address}]" if ":" in target.address else target.address
-    return f"{address}:{target.port}"
 
 
 async def probe_ssh(target: TakeoverTarget, client_key: asyncssh.SSHKey, connect_timeout: float) -> str:
@@ -353,27 +345,61 @@ async def probe_ssh(target: TakeoverTarget, client_key: asyncssh.SSHKey, connect
 
     Raises TakeoverError, as take_over does, when the session cannot be had.
     """
-    connection = await _connect(target, connect_timeout, client_key)
+    with _session_failures(target):
+        async with SSHSession(target.login, client_key, connect_timeout) as session:
+            return session.host_key()
+
+
+@contextmanager
+def _session_failures(target: TakeoverTarget, *, stopping: bool = False) -> Iterator[None]:
+    """Raise an SSH session's failure as the TakeoverError it is; a stop tells its timeout and breakage as its own."""
     try:
-        return _server_host_key(connection, target)
-    finally:
-        await _close(connection, connect_timeout)
+        yield
+    except SSHSessionError as error:
+        failure, problem = _takeover_failure(error, target, stopping)
+        raise TakeoverError(failure, target, problem) from None
 
 
-async def ssh_answers(address: str, port: int, within: float) -> bool:
-    """Whether an SSH server answers at address:port: it accepts a connection and sends its version line.
-
-    Cheaper than a login, and enough to tell a machine that has booted from one that is down or booting.
-    """
-    try:
-        async with asyncio.timeout(within):
-            reader, writer = await asyncio.open_connection(address, port)
-            try:
-                return (await reader.readline()).startswith(b"SSH-")
-            finally:
-                writer.close()
-    except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
-        return False
+def _takeover_failure(error: SSHSessionError, target: TakeoverTarget, stopping: bool) -> tuple[TakeoverFailure, str]:
+    """The kind and the problem of the TakeoverError that an SSH session's failure is."""
+    reset = "`shepherd reset-host-key`"
+    match error.failure:
+        case SSHFailure.PIN_UNREADABLE:
+            return TakeoverFailure.HOST_KEY_CHANGED, (
+                f"the pinned host key is not an OpenSSH public key ({error.detail}); {reset} the machine"
+            )
+        case SSHFailure.HOST_KEY_CHANGED:
+            return TakeoverFailure.HOST_KEY_CHANGED, (
+                "the SSH host key differs from the one pinned at first contact; "
+                f"if the machine was reinstalled, {reset} it, otherwise find out who answers there"
+            )
+        case SSHFailure.CONNECT_TIMEOUT:
+            problem = f"no SSH session within {error.time_limit:g}s (connect, handshake and login)"
+            return TakeoverFailure.CONNECT_TIMEOUT, problem
+        case SSHFailure.CONNECT_REFUSED:
+            return TakeoverFailure.CONNECT_REFUSED, "the connection was refused"
+        case SSHFailure.AUTH_REJECTED:
+            return TakeoverFailure.AUTH_REJECTED, f"the machine rejected Shepherd's SSH key for user {target.username}"
+        case SSHFailure.CONNECT_FAILED:
+            return TakeoverFailure.SSH_ERROR, f"cannot open an SSH session: {error.detail}"
+        case SSHFailure.NO_HOST_KEY:
+            return TakeoverFailure.SSH_ERROR, "the SSH server showed no host key"
+        case SSHFailure.UPLOAD_FAILED:
+            return TakeoverFailure.UPLOAD_FAILED, f"cannot upload the agent to {error.path}: {error.detail}"
+        case SSHFailure.OUTPUT_TOO_LONG:
+            # The probe's answer is not the agent's reply: a machine that floods it is refused before any upload.
+            probing = error.doing == PROBING
+            who = "the machine's answer to the probe" if probing else "the agent"
+            return TakeoverFailure.BAD_PROBE if probing else TakeoverFailure.BAD_REPLY, (
+                f"{who} wrote more than {MAX_REPLY_SIZE} bytes to its standard output, which is no reply"
+            )
+        case SSHFailure.TIMEOUT:
+            if stopping:
+                return TakeoverFailure.EXEC_TIMEOUT, f"the agent's stop took longer than {error.time_limit:g}s"
+            return TakeoverFailure.EXEC_TIMEOUT, f"not done within {error.time_limit:g}s while {error.doing}"
+        case SSHFailure.BROKEN:
+            doing = STOPPING if stopping else error.doing
+            return TakeoverFailure.SSH_ERROR, f"SSH failed while {doing}: {machine_text(error.detail)}"
 
 
 async def wait_until_booted(
@@ -408,220 +434,6 @@ def key_fingerprint(public_key: bytes) -> str:
     return f"SHA256:{digest}"
 
 
-def host_key_fingerprint(openssh_line: str) -> str:
-    """The SHA256 fingerprint of an OpenSSH public key line, as ssh-keygen -l shows it."""
-    try:
-        return str(asyncssh.import_public_key(openssh_line).get_fingerprint("sha256"))
-    except (asyncssh.KeyImportError, ValueError):
-        return "an unreadable key"
-
-
-async def _connect(
-    target: TakeoverTarget, connect_timeout: float, client_key: asyncssh.SSHKey
-) -> asyncssh.SSHClientConnection:
-    # No known_hosts: any host key is accepted and reported (first contact).
-    known_hosts: Any = None
-    host_key_algorithms: Any = ()  # asyncssh's default
-    if target.pinned_host_key is not None:
-        try:
-            pinned = asyncssh.import_public_key(target.pinned_host_key)
-        except (asyncssh.KeyImportError, ValueError) as error:
-            raise TakeoverError(
-                TakeoverFailure.HOST_KEY_CHANGED,
-                target,
-                f"the pinned host key is not an OpenSSH public key ({error}); `shepherd reset-host-key` the machine",
-            ) from None
-        # Trusted host keys, trusted CA keys, revoked keys: only the pinned key
-        # passes, and asyncssh checks it in the handshake, before we send anything.
-        known_hosts = ([pinned], [], [])
-        # The pinned key's algorithms first, so a server that still has that
-        # key shows it; then every other, so a server that has lost it shows
-        # another key and fails the check, rather than ending the handshake
-        # with nothing but a reset connection.
-        host_key_algorithms = [
-            *(algorithm.decode() for algorithm in pinned.sig_algorithms),
-            *(algorithm.decode() for algorithm in get_default_public_key_algs()),
-        ]
-    try:
-        async with asyncio.timeout(connect_timeout):
-            return await asyncssh.connect(
-                target.address,
-                target.port,
-                username=target.username,
-                known_hosts=known_hosts,
-                server_host_key_algs=host_key_algorithms,
-                client_keys=[client_key],
-                # Only the given key: nothing from the worker's ~/.ssh, its SSH agent or its config.
-                agent_path=None,
-                config=[],
-                password=None,
-                kbdint_auth=False,
-                gss_auth=False,
-                preferred_auth="publickey",
-            )
-    except TimeoutError:
-        raise TakeoverError(
-            TakeoverFailure.CONNECT_TIMEOUT,
-            target,
-            f"no SSH session within {connect_timeout:g}s (connect, handshake and login)",
-        ) from None
-    except ConnectionRefusedError:
-        raise TakeoverError(TakeoverFailure.CONNECT_REFUSED, target, "the connection was refused") from None
-    except asyncssh.PermissionDenied:
-        raise TakeoverError(
-            TakeoverFailure.AUTH_REJECTED, target, f"the machine rejected Shepherd's SSH key for user {target.username}"
-        ) from None
-    except asyncssh.HostKeyNotVerifiable:
-        raise TakeoverError(
-            TakeoverFailure.HOST_KEY_CHANGED,
-            target,
-            "the SSH host key differs from the one pinned at first contact; "
-            "if the machine was reinstalled, `shepherd reset-host-key` it, otherwise find out who answers there",
-        ) from None
-    except (asyncssh.Error, OSError) as error:
-        raise TakeoverError(TakeoverFailure.SSH_ERROR, target, f"cannot open an SSH session: {error}") from None
-
-
-def _server_host_key(connection: asyncssh.SSHClientConnection, target: TakeoverTarget) -> str:
-    host_key = connection.get_server_host_key()
-    if host_key is None:
-        raise TakeoverError(TakeoverFailure.SSH_ERROR, target, "the SSH server showed no host key")
-    return host_key.export_public_key("openssh").decode().strip()
-
-
-async def _close(connection: asyncssh.SSHClientConnection, grace: float) -> None:
-    connection.close()
-    try:
-        async with asyncio.timeout(grace):
-            await connection.wait_closed()
-    except TimeoutError:
-        # A server that does not answer our close must not hold the caller.
-        connection.abort()
-
-
-async def _upload(
-    connection: asyncssh.SSHClientConnection, target: TakeoverTarget, target_path: str, data: bytes
-) -> None:
-    """Write the agent beside its target path, then rename it over: a running agent never sees half a file."""
-    directory, name = posixpath.split(target_path)
-    # Unique, so two uploads to one path (a retry beside a stalled attempt) never write the same file.
-    temporary = posixpath.join(directory, f".{name}.{secrets.token_hex(4)}.upload")
-    try:
-        async with connection.start_sftp_client() as sftp:
-            try:
-                # Exclusive: in a directory others may write to, a link planted under the name is not followed.
-                async with sftp.open(temporary, "xb") as file:
-                    await file.write(data)
-                await sftp.chmod(temporary, 0o755)
-                try:
-                    await sftp.posix_rename(temporary, target_path)
-                except asyncssh.SFTPOpUnsupported:
-                    # Plain SFTP rename refuses to replace a file: remove the old agent first.
-                    if await sftp.exists(target_path):
-                        await sftp.remove(target_path)
-                    await sftp.rename(temporary, target_path)
-            except asyncssh.SFTPError:
-                await _remove_quietly(sftp, temporary)
-                raise
-    except (asyncssh.SFTPError, asyncssh.ChannelOpenError) as error:
-        raise TakeoverError(
-            TakeoverFailure.UPLOAD_FAILED,
-            target,
-            f"cannot upload the agent to {target_path}: {error.reason or type(error).__name__}",
-        ) from None
-
-
-async def _remove_quietly(sftp: asyncssh.SFTPClient, path: str) -> None:
-    try:
-        await sftp.remove(path)
-    except asyncssh.SFTPError:
-        # Most likely it was never created; the next upload overwrites it anyway.
-        pass
-
-
-@dataclass(frozen=True)
-class _CommandRun:
-    """What running a command over SSH gave back: its output, the end of its stderr, and how it exited."""
-
-    stdout: bytes
-    stderr: bytes
-    exit_status: int | None
-    exit_signal: str | None
-
-    def stderr_line(self) -> str:
-        """The end of standard error on one printable line, for a message; "(empty)" when there was none."""
-        tail = self.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]
-        return machine_text(" | ".join(tail.splitlines()), STDERR_IN_MESSAGE) or "(empty)"
-
-
-async def _run(
-    connection: asyncssh.SSHClientConnection,
-    target: TakeoverTarget,
-    command: str,
-    stdin: bytes,
-    too_long: TakeoverFailure = TakeoverFailure.BAD_REPLY,
-) -> _CommandRun:
-    """Run command on the machine with stdin; its output and exit. Standard output longer than MAX_REPLY_SIZE is a
-    TakeoverError of the kind too_long."""
-    process: asyncssh.SSHClientProcess[bytes] = await connection.create_process(command, encoding=None)
-    try:
-        process.stdin.write(stdin)
-        # Closing stdin tells the agent the whole init message has arrived.
-        process.stdin.write_eof()
-        readers = asyncio.gather(
-            _read_at_most(process.stdout, MAX_REPLY_SIZE, target, too_long), _read_tail(process.stderr, MAX_STDERR_KEPT)
-        )
-        try:
-            stdout, stderr = await readers
-        except BaseException:
-            # Stop the other reader too; gather leaves it running otherwise.
-            readers.cancel()
-            raise
-        await process.wait_closed()
-        signal = process.exit_signal
-        return _CommandRun(
-            stdout=stdout,
-            stderr=stderr,
-            exit_status=process.exit_status,
-            exit_signal=signal[0] if signal else None,
-        )
-    except BaseException:
-        # Timed out or gave up: ask the server to kill the agent so it does not
-        # run on beside the next attempt. Best effort: servers may refuse (OpenSSH
-        # does for sessions without privilege separation, such as root's).
-        if process.exit_status is None:
-            try:
-                process.kill()
-            except (OSError, asyncssh.Error):
-                pass
-        raise
-    finally:
-        process.close()
-
-
-async def _read_at_most(
-    stream: asyncssh.SSHReader[bytes], limit: int, target: TakeoverTarget, failure: TakeoverFailure
-) -> bytes:
-    received = bytearray()
-    while chunk := await stream.read(READ_CHUNK):
-        received += chunk
-        if len(received) > limit:
-            who = "the machine's answer to the probe" if failure is TakeoverFailure.BAD_PROBE else "the agent"
-            raise TakeoverError(
-                failure, target, f"{who} wrote more than {limit} bytes to its standard output, which is no reply"
-            )
-    return bytes(received)
-
-
-async def _read_tail(stream: asyncssh.SSHReader[bytes], keep: int) -> bytes:
-    # Read to the end, so the agent never blocks on a full stderr, but keep only the last bytes.
-    kept = bytearray()
-    while chunk := await stream.read(READ_CHUNK):
-        kept += chunk
-        del kept[:-keep]
-    return bytes(kept)
-
-
 def machine_text(text: str, limit: int = MAX_TEXT) -> str:
     """What a machine said, on one line of printable characters, at most limit long (the cut is said)."""
     line = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 4]).split())
@@ -629,6 +441,12 @@ def machine_text(text: str, limit: int = MAX_TEXT) -> str:
         return line
     cut = f"... ({len(text)} chars)"
     return line[: limit - len(cut)] + cut
+
+
+def _stderr_line(run: CommandRun) -> str:
+    """The end of standard error on one printable line, for a message; "(empty)" when there was none."""
+    tail = run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]
+    return machine_text(" | ".join(tail.splitlines()), STDERR_IN_MESSAGE) or "(empty)"
 
 
 def machine_warnings(warnings: Sequence[str]) -> list[str]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import (
     FORCE_RECOVER_SIGNAL,
     MACHINE_STAGE,
@@ -19,7 +20,6 @@ from lifecycle.contracts import (
     RecoveryRequest,
     machine_workflow_id,
 )
-from lifecycle.takeover import host_key_fingerprint
 from operations.connections import Connections, OperatorError
 from operations.machine_names import describe_workflow, resolve_machine, running_machine_workflow
 from operations.machine_reads import machine_status

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from foundation import ssh_sessions
 from foundation.files import replace_file
 from foundation.settings import Settings
-from lifecycle import takeover
 from lifecycle.takeover import (
     MAX_TEXT,
     MAX_WARNINGS,
@@ -83,7 +83,7 @@ async def test_the_simulators_state_with_the_machines_private_host_keys_is_for_i
 
 
 async def test_the_upload_never_writes_through_a_link_planted_under_its_temporary_name(sshd, tmp_path, monkeypatch):
-    monkeypatch.setattr(takeover.secrets, "token_hex", lambda n: "deadbeef")
+    monkeypatch.setattr(ssh_sessions.secrets, "token_hex", lambda n: "deadbeef")
     victim = tmp_path / "victim"
     (tmp_path / ".agent.deadbeef.upload").symlink_to(victim)
     target = TakeoverTarget(machine_id="m", address="127.0.0.1", port=sshd.port, username=sshd.username)

@@ -14,8 +14,8 @@ from temporalio.client import WorkflowFailureError
 
 from bmdb.schema import machine_provided, machines
 from bmdb.store import BMDB, MachineRecord
+from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage
-from lifecycle.takeover import host_key_fingerprint
 from operations.machine_names import MachineNotFound, resolve_machine
 from processes.worker import ensure_fleet_schedules
 from shepherd.commands.base import operator

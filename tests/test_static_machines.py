@@ -28,6 +28,7 @@ from activities.deps import open_activity_deps
 from agent.reference import LOG_FILE
 from bmdb.store import BMDB, MachineRecord
 from foundation.settings import ProviderInstance, Settings
+from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import (
     FleetPassResult,
     MachineStage,
@@ -37,7 +38,6 @@ from lifecycle.contracts import (
     provider_task_queue,
 )
 from lifecycle.inputs import fleet_input
-from lifecycle.takeover import host_key_fingerprint
 from operations.client import OperatorClient
 from processes.worker import build_workers, serving
 from shepherd.commands.machines import print_machines

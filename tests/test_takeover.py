@@ -25,13 +25,13 @@ from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
 from foundation.executables import executable_target
 from foundation.settings import Settings
+from foundation.ssh_sessions import ssh_answers
 from lifecycle.takeover import (
     MAX_REPLY_SIZE,
     TakeoverError,
     TakeoverFailure,
     TakeoverSettings,
     TakeoverTarget,
-    ssh_answers,
     stop_agent,
     take_over,
     wait_until_booted,

@@ -18,7 +18,8 @@ import asyncssh
 
 from foundation.settings import Settings
 from foundation.ssh_identity import SSHIdentityError, load_or_create_ssh_key
-from lifecycle.takeover import TakeoverError, TakeoverTarget, host_key_fingerprint, probe_ssh
+from foundation.ssh_sessions import host_key_fingerprint
+from lifecycle.takeover import TakeoverError, TakeoverTarget, probe_ssh
 from providers import ProviderError
 from providers.redfish import RedfishPowerControl, RedfishTimeouts
 from providers.static import InventoryMachine, load_inventory
