@@ -1,0 +1,162 @@
+"""The typed messages an operator or the fleet watchdog sends a machine's workflow, and how each reads its JSON.
+
+A signal or update argument arrives as whatever JSON its sender typed; each class's from_wire builds it from any
+value (foundation.temporal_payloads calls it), so a malformed message still reads as what it most likely meant.
+lifecycle.contracts re-exports them with the signal and update names they go with.
+
+No "from __future__ import annotations" here: a workflow's sandbox holds the modules its workflow imports
+(lifecycle.contracts), not this one, so a field's annotation written as a string could not be read there when a
+payload is decoded. Each field's type is the class itself, defined above its first use.
+"""
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HeartbeatLost:
+    """What the fleet watchdog signals with heartbeat_lost: why, and which agent fell silent.
+
+    A workflow whose agent has changed since the watchdog read BMDB (a recovery finished in between) ignores it.
+    """
+
+    cause: str = "no detail"
+    # None from watchdogs older than this field, which sent the cause alone.
+    agent_key_fingerprint: str | None = None
+
+    @classmethod
+    def from_wire(cls, value: object) -> "HeartbeatLost":
+        """From the signal's JSON: this dataclass, or the cause alone as older watchdogs sent it."""
+        if isinstance(value, dict):
+            agent = value.get("agent_key_fingerprint")
+            return cls(_text(value.get("cause"), 1000) or "no detail", agent if isinstance(agent, str) else None)
+        return cls(_text(value, 1000) or "no detail")
+
+
+def _text(value: object, limit: int) -> str:
+    """A text field of a message as sent, stripped and cut to limit characters; "" when it is no string."""
+    return value.strip()[:limit] if isinstance(value, str) else ""
+
+
+def _operator(value: object) -> str:
+    """Who asked, as a message says; "unknown" when it does not."""
+    return _text(value, 100) or "unknown"
+
+
+class RecoveryKind(enum.StrEnum):
+    """Who asked for a recovery, which decides whether the recovery budget counts it."""
+
+    # The fleet watchdog found the agent silent.
+    HEARTBEAT_LOST = "heartbeat_lost"
+    # An operator's force_recover: never counted against the budget, and it releases a quarantined machine.
+    FORCED = "forced"
+    # An operator ended a maintenance asking for a reboot: as forced.
+    MAINTENANCE_OVER = "maintenance_over"
+
+
+@dataclass(frozen=True)
+class RecoveryRequest:
+    """A recovery asked for: force_recover's argument (``{"reason": "disk errors", "by": "alice"}``), and the
+    recovery a machine's status keeps until it begins."""
+
+    reason: str = "no reason given"
+    by: str = "unknown"
+    kind: RecoveryKind = RecoveryKind.FORCED
+
+    @property
+    def by_an_operator(self) -> bool:
+        """Whether an operator asked for it, so the recovery budget does not count it."""
+        return self.kind is not RecoveryKind.HEARTBEAT_LOST
+
+    def describe(self) -> str:
+        """The recovery in one line, as the status, the event log and the reboot's cause say it."""
+        if self.kind is RecoveryKind.HEARTBEAT_LOST:
+            return f"heartbeat lost: {self.reason}"
+        if self.kind is RecoveryKind.MAINTENANCE_OVER:
+            return f"forced: maintenance over, reboot asked by {self.by}: {self.reason}"
+        return f"forced: {self.reason}" + ("" if self.by == "unknown" else f" (by {self.by})")
+
+    @classmethod
+    def from_wire(cls, value: object) -> "RecoveryRequest":
+        """From any JSON: a malformed force_recover still means "recover", so nothing here refuses.
+
+        A string is an operator's bare reason, or the line a status kept before recoveries had a kind.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            kind = value.get("kind")
+            return cls(
+                reason=_text(value.get("reason"), 1000) or _unreadable(value),
+                by=_operator(value.get("by")),
+                kind=RecoveryKind(kind) if kind in tuple(RecoveryKind) else RecoveryKind.FORCED,
+            )
+        if isinstance(value, str):
+            for kind, prefix in ((RecoveryKind.HEARTBEAT_LOST, "heartbeat lost: "), (RecoveryKind.FORCED, "forced: ")):
+                if value.startswith(prefix):
+                    return cls(reason=value[len(prefix) :], kind=kind)
+            return cls(reason=_text(value, 1000) or "no reason given")
+        return cls(reason=_unreadable(value))
+
+
+def _unreadable(value: object) -> str:
+    """The reason of a recovery asked with a value that is no reason, showing the start of what came."""
+    return f"unreadable reason {str(value)[:100]!r}"
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    """The argument of release, decommission, restart_agent and retry_now: ``{"reason": ..., "by": ...}``."""
+
+    reason: str = ""
+    by: str = "unknown"
+
+    def require_reason(self, why: str) -> None:
+        """ValueError, asking why, when the request gives no reason."""
+        if not self.reason:
+            raise ValueError(f'say why {why}: {{"reason": "...", "by": "..."}}')
+
+    @classmethod
+    def from_wire(cls, value: object) -> "OperatorRequest":
+        """From the JSON an operator sent: this dataclass, or the reason alone."""
+        if isinstance(value, dict):
+            return cls(_text(value.get("reason"), 500), _operator(value.get("by")))
+        return cls(_text(value, 500))
+
+
+@dataclass(frozen=True)
+class MaintenanceRequest:
+    """set_maintenance's argument: ``{"on": true, "reason": ..., "by": ...}`` begins a maintenance,
+    ``{"on": false, "recover": false}`` ends it, with a reboot when recover is true."""
+
+    # None when the request did not say, which check refuses.
+    on: bool | None = None
+    reason: str = ""
+    by: str = "unknown"
+    recover: bool | None = False
+
+    def check(self) -> "MaintenanceRequest":
+        """The request as it is carried out (an end's reason filled in); ValueError naming what is wrong."""
+        if self.on is None:
+            raise ValueError('give {"on": true, "reason": "...", "by": "..."} or {"on": false, "recover": false}')
+        if self.recover is None or (self.recover and self.on):
+            raise ValueError('"recover" (a reboot once maintenance ends) goes with "on": false, as true or false')
+        if not self.reason:
+            if self.on:
+                raise ValueError("say why the machine goes into maintenance: a reason")
+            return dataclasses.replace(self, reason="maintenance done")
+        return self
+
+    @classmethod
+    def from_wire(cls, value: object) -> "MaintenanceRequest":
+        """From the JSON an operator sent: what it says of each field, a wrong type left for check to refuse."""
+        if not isinstance(value, dict):
+            return cls()
+        on, recover = value.get("on"), value.get("recover", False)
+        return cls(
+            on=on if isinstance(on, bool) else None,
+            reason=_text(value.get("reason"), 500),
+            by=_operator(value.get("by")),
+            recover=recover if isinstance(recover, bool) else None,
+        )
