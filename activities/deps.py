@@ -23,7 +23,8 @@ from bmdb.store import BMDB
 from foundation.executables import AgentExecutable, ExecutableTarget, agent_executable_file
 from foundation.files import ReloadedFile
 from foundation.metrics import WorkerMetrics
-from foundation.settings import Settings, SettingsError
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import agent_ca_bundle_file
 from providers import Provider, ProviderError

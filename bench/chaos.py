@@ -72,7 +72,8 @@ from temporalio.client import Client
 from agent.build import build_agent_executable
 from bmdb.local_postgres import LocalPostgres
 from foundation.procfs import process_environments, processes_mentioning
-from foundation.settings import ENV_PREFIX, Settings
+from foundation.setting_values import ENV_PREFIX
+from foundation.settings import Settings
 from foundation.temporal_payloads import DATA_CONVERTER
 from foundation.tls import local_certificates
 from lifecycle.contracts import MachineStage, machine_workflow_id

@@ -25,7 +25,8 @@ from bench.bmdb_rows import BenchMachine, insert_machines
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
-from foundation.settings import ProviderInstance, Settings
+from foundation.provider_instances import ProviderInstance
+from foundation.settings import Settings
 from foundation.ssh_identity import public_key_openssh
 from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import (

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from foundation.settings import redact_url
+from foundation.settings_report import redact_url
 
 
 def libpq_url(url: str) -> str:

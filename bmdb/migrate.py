@@ -11,7 +11,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from bmdb.connection_errors import connection_failure
 from bmdb.store import BMDB, BMDBUnavailable, sqlalchemy_url
-from foundation.settings import redact_url
+from foundation.settings_report import redact_url
 from foundation.startup import StartupError
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"

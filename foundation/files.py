@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from foundation.settings import SettingsError
+from foundation.setting_values import SettingsError
 
 log = logging.getLogger("shepherd.files")
 

@@ -19,7 +19,7 @@ from cryptography import x509
 from temporalio.common import MetricCounter, MetricGauge, MetricGaugeFloat, MetricMeter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
-from foundation.settings import check_listen_address
+from foundation.setting_values import check_listen_address
 from foundation.tls import bmdb_client_certificate_path, read_certificates, soonest_days_left
 
 log = logging.getLogger("shepherd.metrics")

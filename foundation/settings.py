@@ -3,138 +3,37 @@
 Every setting has a default that suits a production deployment; the embedded
 stack (``shepherd dev``) overrides the slow ones so a fleet comes up in minutes.
 A bad value is refused with an error that names the setting, before anything
-starts.
+starts. Where the values come from is foundation.settings_sources, how they are shown
+foundation.settings_report, the text forms they take foundation.setting_values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_args, get_type_hints
+from typing import Any
 
-ENV_PREFIX = "SHEPHERD_"
+from foundation.provider_instances import INSTANCE_NAME, ProviderInstance
+from foundation.setting_values import SettingsError, check_listen_address, parse_endpoint
+from foundation.settings_sources import read_sources
 
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-
-
-class SettingsError(ValueError):
-    """A setting has a value Shepherd cannot run with."""
-
-    def __init__(self, setting: str, problem: str) -> None:
-        super().__init__(f"setting {setting} ({ENV_PREFIX}{setting.upper()}): {problem}")
-        self.setting = setting
-
+# A provider plugin's factory imports ProviderInstance and SettingsError from here (docs/providers.md), so they
+# stay importable from this module too.
+__all__ = ["LOG_FORMATS", "ProviderInstance", "Settings", "SettingsError"]
 
 LOG_FORMATS = ("text", "json")
 
 
-def check_listen_address(setting: str, value: str) -> tuple[str, int]:
-    """(host, port) of a host:port setting; port 0 picks a free one."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise SettingsError(setting, f"must be host:port, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """(host, port) of a host:port others connect to: both present, the port 1-65535."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"must be host:port, got {text!r}")
-    return host, int(port)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``1.5s``, ``250ms``, ``5m`` or ``4h``."""
-    match = _DURATION_RE.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration (examples: 30s, 250ms, 5m, 4h)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
-
-
-_SHOWN_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-
-
-def format_duration(seconds: float, *, most_units: int = len(_SHOWN_UNITS)) -> str:
-    """A duration as an operator reads it: 250ms, 1.5s, 45s, 1m30s, 2h30m, 1h00m05s, 30d.
-
-    Under a minute it keeps its fraction; from a minute on it is whole seconds in days, hours, minutes and
-    seconds, each unit after the first two digits wide, units of zero at the end left off. most_units keeps only
-    the largest ones, cut as a clock cuts (5h12m for 5h12m40s), for a column of fixed width.
-    """
-    if seconds < 0:
-        return "-" + format_duration(-seconds, most_units=most_units)
-    if seconds < 60:
-        return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
-    rest = round(seconds)
-    counts: list[tuple[int, str]] = []
-    for unit, size in _SHOWN_UNITS:
-        count, rest = divmod(rest, size)
-        if count or counts:
-            counts.append((count, unit))
-    counts = counts[:most_units]
-    while counts[-1][0] == 0:
-        counts.pop()
-    (first, first_unit), *others = counts
-    return f"{first}{first_unit}" + "".join(f"{count:02d}{unit}" for count, unit in others)
-
-
-# A provider instance's name is part of workflow ids, schedule ids and task queues.
-_INSTANCE_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
-_INSTANCE_KEYS = ("name", "type", "activities_per_second")
-
-
-@dataclass(frozen=True)
-class ProviderInstance:
-    """One source of machines a deployment manages: a name, a provider type and that type's options."""
-
-    # Part of workflow ids, BMDB keys and the Provider search attribute.
-    name: str
-    # An entry point of the group shepherd.providers (sim and static are Shepherd's own).
-    type: str
-    # The type's own options (the static provider's inventory, the simulator's api_url); checked by the type.
-    options: Mapping[str, Any] = field(default_factory=dict)
-    # Temporal's server-side limit on this instance's provider activities, across all workers; 0: none.
-    activities_per_second: float = 0.0
-
-
-def _provider_instances(value: Any, path: Path) -> tuple[ProviderInstance, ...]:
-    """The [[providers]] tables of a settings file, checked for shape; the types check their own options."""
-    if not isinstance(value, list) or not all(isinstance(table, dict) for table in value):
-        raise SettingsError("providers", f"must be [[providers]] tables in {path}")
-    instances = []
-    for number, table in enumerate(value, 1):
-        where = f"[[providers]] table {number} in {path}"
-        name, kind = table.get("name"), table.get("type")
-        if not isinstance(name, str) or not _INSTANCE_NAME.match(name):
-            raise SettingsError("providers", f"{where}: name must match {_INSTANCE_NAME.pattern}, got {name!r}")
-        if not isinstance(kind, str) or not kind:
-            raise SettingsError("providers", f"{where} ({name}): type must name a provider type, got {kind!r}")
-        rate = table.get("activities_per_second", 0.0)
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or rate < 0:
-            raise SettingsError("providers", f"{where} ({name}): activities_per_second must be >= 0, got {rate!r}")
-        options = {key: option for key, option in table.items() if key not in _INSTANCE_KEYS}
-        instances.append(ProviderInstance(name, kind, options, float(rate)))
-    names = [instance.name for instance in instances]
-    if len(set(names)) != len(names):
-        twice = sorted({name for name in names if names.count(name) > 1})
-        raise SettingsError("providers", f"each name once in {path}; given more than once: {', '.join(twice)}")
-    return tuple(instances)
-
-
 def _duration(default: float, doc: str) -> Any:
+    """A setting that is a duration: given as 30s, 250ms, 5m or 4h, and checked to be positive."""
     return field(default=default, metadata={"duration": True, "doc": doc})
 
 
 def _setting(default: Any, doc: str) -> Any:
+    """A setting with its default and the meaning its help text shows."""
     return field(default=default, metadata={"doc": doc})
 
 
@@ -274,9 +173,11 @@ class Settings:
 
     @property
     def effective_ssh_key_path(self) -> Path:
+        """Shepherd's SSH key: ssh_key_path, or ssh_key under state_dir when it is unset."""
         return self.ssh_key_path or self.state_dir / "ssh_key"
 
     def replace(self, **changes: Any) -> Settings:
+        """These settings with some values changed; nothing here checks the new values."""
         return dataclasses.replace(self, **changes)
 
     def check(self) -> Settings:
@@ -334,8 +235,8 @@ class Settings:
             )
         if not self.agent_target_path.startswith("/"):
             raise SettingsError("agent_target_path", f"must be an absolute path, got {self.agent_target_path!r}")
-        if not self.providers and not _INSTANCE_NAME.match(self.provider):
-            raise SettingsError("provider", f"must match {_INSTANCE_NAME.pattern}, got {self.provider!r}")
+        if not self.providers and not INSTANCE_NAME.match(self.provider):
+            raise SettingsError("provider", f"must match {INSTANCE_NAME.pattern}, got {self.provider!r}")
         if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgresql+")):
             raise SettingsError("database_url", "must be a postgresql:// URL")
         return self
@@ -389,165 +290,5 @@ class Settings:
         Later sources win: the TOML file (``--config``, or ``SHEPHERD_CONFIG``),
         then environment variables, then explicit overrides.
         """
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        hints = get_type_hints(cls)
-        known = {f.name for f in fields(cls)}
-        for key in environ:
-            if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() not in known:
-                if key[len(ENV_PREFIX) :].lower() in _NON_SETTING_VARIABLES:
-                    continue
-                raise SettingsError(key[len(ENV_PREFIX) :].lower(), "is not a setting Shepherd knows")
-        path = config_path or (Path(environ[CONFIG_VARIABLE]) if environ.get(CONFIG_VARIABLE) else None)
-        if path is not None:
-            for name, value in _read_config_file(path).items():
-                if name not in known:
-                    raise SettingsError(name, f"is not a setting Shepherd knows (in {path})")
-                if name == "providers":
-                    values[name], sources[name] = _provider_instances(value, path), f"file {path}"
-                    continue
-                f = next(f for f in fields(cls) if f.name == name)
-                values[name] = _from_toml(name, value, hints[name], bool(f.metadata.get("duration")), path)
-                sources[name] = f"file {path}"
-        for f in fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
-            if raw is not None and f.name == "providers":
-                raise SettingsError(
-                    "providers", "are [[providers]] tables of the settings file (--config), not a variable"
-                )
-            if raw is not None:
-                values[f.name] = _convert(f.name, raw, hints[f.name], bool(f.metadata.get("duration")))
-                sources[f.name] = f"environment {ENV_PREFIX}{f.name.upper()}"
-        for name, value in overrides.items():
-            if value is not None:
-                values[name] = value
-                sources[name] = "command line"
+        values, sources = read_sources(cls, environ, config_path, overrides)
         return cls(**values), sources
-
-
-# Variables with the prefix that belong to other parts (the agent, the simulator), and the file's path.
-CONFIG_VARIABLE = ENV_PREFIX + "CONFIG"
-_NON_SETTING_VARIABLES = frozenset({"agent_state_dir", "sim_machine_root", "config"})
-
-
-def _read_config_file(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as file:
-            document = tomllib.load(file)
-    except OSError as error:
-        raise SettingsError("config", f"cannot read {path}: {error.strerror or error}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise SettingsError("config", f"{path} is not valid TOML: {error}") from None
-    for name, value in document.items():
-        if isinstance(value, dict) or (
-            isinstance(value, list) and value and name != "providers" and any(isinstance(item, dict) for item in value)
-        ):
-            raise SettingsError(name, f"is a table in {path}; settings are plain keys, like temporal_address = ...")
-    return document
-
-
-def _from_toml(name: str, value: Any, hint: Any, duration: bool, path: Path) -> Any:
-    """A TOML value as the setting's type; strings are read as an environment variable would be."""
-    if isinstance(value, str):
-        return _convert(name, value, hint, duration)
-    arguments = [a for a in get_args(hint) if a is not type(None)]
-    target = arguments[0] if arguments else hint
-    fits = (
-        (target is bool and isinstance(value, bool))
-        or (target is int and isinstance(value, int) and not isinstance(value, bool))
-        or (target is float and isinstance(value, int | float) and not isinstance(value, bool))
-    )
-    if not fits:
-        expected = "a duration" if duration else getattr(target, "__name__", str(target))
-        raise SettingsError(name, f"must be {expected}, got {value!r} ({type(value).__name__}) in {path}")
-    return float(value) if target is float else value
-
-
-def _convert(name: str, raw: str, hint: Any, duration: bool) -> Any:
-    text = raw.strip()
-    arguments = [a for a in get_args(hint) if a is not type(None)]
-    optional = len(arguments) < len(get_args(hint))
-    target = arguments[0] if arguments else hint
-    if optional and text == "":
-        return None
-    try:
-        if duration:
-            return parse_duration(text)
-        if target is bool:
-            return _parse_bool(text)
-        return target(text)
-    except ValueError as exc:
-        raise SettingsError(name, f"cannot use {raw!r}: {exc}") from None
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not true or false")
-
-
-# libpq takes secrets as URL parameters too: postgresql://host/db?password=...
-_SECRET_PARAMETERS = re.compile(r"([?&](?:password|sslpassword)=)[^&#]*", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """The URL without its passwords, in the credentials or the parameters, for messages and logs."""
-    url = _SECRET_PARAMETERS.sub(r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("?", 1)[0]:
-        return url
-    credentials, _, host = rest.partition("?")[0].rpartition("@")
-    query = rest[len(credentials) + 1 + len(host) :]
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}{query}" if ":" in credentials else url
-
-
-def effective_settings(settings: Settings, sources: Mapping[str, str], *, as_json: bool = False) -> str:
-    """Every setting as TOML a config file can take back (or JSON), the database password hidden."""
-    values: dict[str, Any] = {}
-    for f in fields(settings):
-        value = getattr(settings, f.name)
-        if f.name == "database_url" and value:
-            value = redact_url(value)
-        values[f.name] = str(value) if isinstance(value, Path) else value
-    # The instances in effect, the implicit one included: what the worker will run.
-    tables = [
-        {"name": i.name, "type": i.type, **i.options, "activities_per_second": i.activities_per_second}
-        for i in settings.provider_instances
-    ]
-    values["providers"] = tables
-    if as_json:
-        return json.dumps({"settings": values, "sources": dict(sources)}, indent=2, default=str) + "\n"
-    lines = []
-    for name, value in values.items():
-        source = sources.get(name, "default")
-        if name == "providers":
-            continue
-        if value is None:
-            lines.append(f"# {name} is unset  ({source})")
-        else:
-            lines.append(f"{name} = {_toml_value(value)}  # {source}")
-    for table in tables:
-        lines += ["", f"[[providers]]  # {sources.get('providers', 'from the provider setting')}"]
-        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string is a JSON string
-
-
-def describe() -> list[tuple[str, str, str]]:
-    """(environment variable, default, meaning) of every setting, for help texts and docs."""
-    return [
-        (ENV_PREFIX + f.name.upper(), "" if f.default is None else str(f.default), f.metadata.get("doc", ""))
-        for f in fields(Settings)
-    ]

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import NameOID
 
 from foundation.files import FileChanges, ReloadedFile, replace_file
-from foundation.settings import SettingsError
+from foundation.setting_values import SettingsError
 
 log = logging.getLogger("shepherd.tls")
 

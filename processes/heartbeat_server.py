@@ -28,7 +28,8 @@ from foundation.metrics import (
     meter_of,
     metrics_runtime,
 )
-from foundation.settings import Settings, SettingsError, check_listen_address
+from foundation.setting_values import SettingsError, check_listen_address
+from foundation.settings import Settings
 from foundation.startup import StartupError
 from foundation.tls import NOT_BEFORE_MARGIN, CertificateProblem, ReloadedKeyPair
 from processes.heartbeat_service import HeartbeatService

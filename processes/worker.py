@@ -56,7 +56,8 @@ from foundation.metrics import (
     metrics_runtime,
     refresh_gauges,
 )
-from foundation.settings import ProviderInstance, Settings
+from foundation.provider_instances import ProviderInstance
+from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
 from foundation.tls import parse_certificates

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from foundation.settings import ProviderInstance, Settings, SettingsError, parse_duration
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import SettingsError, parse_duration
+from foundation.settings import Settings
 from providers import Provider
 
 ENTRY_POINT_GROUP = "shepherd.providers"

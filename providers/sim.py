@@ -13,7 +13,9 @@ from urllib.parse import quote
 
 import aiohttp
 
-from foundation.settings import ProviderInstance, Settings, SettingsError
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
 from providers import (
     Availability,
     CapacityConflict,

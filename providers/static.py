@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from foundation.settings import ProviderInstance, Settings, SettingsError
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
 from providers import Availability, MachineNotFound, ProviderError, ProviderMachine, Rebooted, RetireAction, Retired
 from providers.redfish import PowerReport, RedfishEndpoint, RedfishPowerControl, RedfishTimeouts
 from providers.registry import duration_option, unknown_options

@@ -18,7 +18,7 @@ from temporalio.service import RPCError
 
 from bmdb.store import BMDBUnavailable
 from foundation.logs import configure_logging
-from foundation.settings import SettingsError
+from foundation.setting_values import SettingsError
 from foundation.startup import StartupError
 from shepherd.commands import (
     config,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from foundation.logs import configure_logging
 from foundation.metrics import meter_of, metrics_runtime
-from foundation.settings import LOG_FORMATS, SettingsError, check_listen_address
+from foundation.setting_values import SettingsError, check_listen_address
+from foundation.settings import LOG_FORMATS
 from simulator.server import Simulator
 from simulator.state import Faults, SimulatorConfig
 

@@ -14,7 +14,7 @@ from sqlalchemy import create_engine
 from bmdb import migrate
 from bmdb.schema import metadata
 from bmdb.store import BMDB, BMDBUnavailable, HostKeyPinned, sqlalchemy_url
-from foundation.settings import redact_url
+from foundation.settings_report import redact_url
 
 
 def test_migrations_build_exactly_the_schema_the_code_uses(bmdb_url):

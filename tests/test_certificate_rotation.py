@@ -43,7 +43,8 @@ from foundation.metrics import (
     meter_of,
     metrics_runtime,
 )
-from foundation.settings import Settings, SettingsError
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
 from foundation.tls import (
     CertificateAuthority,
     agent_ca_bundle_file,

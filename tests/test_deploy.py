@@ -26,7 +26,10 @@ from typing import Any
 import pytest
 import yaml
 
-from foundation.settings import _NON_SETTING_VARIABLES, Settings, SettingsError, describe, parse_duration
+from foundation.setting_values import SettingsError, parse_duration
+from foundation.settings import Settings
+from foundation.settings_report import describe
+from foundation.settings_sources import _NON_SETTING_VARIABLES
 from shepherd.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bmdb.store import BMDB
-from foundation.settings import Settings, SettingsError
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
 from lifecycle.takeover import MAX_TEXT, TakeoverError, TakeoverTarget, _parse_reply, machine_text, machine_warnings
 from processes.heartbeat_service import HeartbeatRejected, HeartbeatService
 from proto import agent_api_pb2, takeover_pb2

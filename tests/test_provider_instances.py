@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from foundation.settings import ProviderInstance, Settings, SettingsError, effective_settings
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
+from foundation.settings_report import effective_settings
 from providers.registry import open_providers, provider_types
 from providers.sim import SimProvider
 from providers.static import StaticProvider

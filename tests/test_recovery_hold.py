@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from bmdb.store import BMDB
-from foundation.settings import Settings, SettingsError
+from foundation.setting_values import SettingsError
+from foundation.settings import Settings
 from lifecycle.contracts import MachineStage, RecoveryHoldRule
 from lifecycle.inputs import recovery_hold_rule
 from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold

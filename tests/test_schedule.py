@@ -13,7 +13,8 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
-from foundation.settings import ProviderInstance, Settings
+from foundation.provider_instances import ProviderInstance
+from foundation.settings import Settings
 from lifecycle.contracts import FLEET_WORKFLOW_TYPE, LEGACY_FLEET_SCHEDULE_ID, fleet_schedule_id
 from lifecycle.inputs import fleet_input
 from processes.worker import ensure_fleet_schedules

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from foundation.settings import Settings, SettingsError, describe, parse_duration
+from foundation.setting_values import SettingsError, parse_duration
+from foundation.settings import Settings
+from foundation.settings_report import describe
 from lifecycle.inputs import lifecycle_policy
 
 

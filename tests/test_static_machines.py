@@ -27,7 +27,8 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from activities.deps import open_activity_deps
 from agent.reference import LOG_FILE
 from bmdb.store import BMDB, MachineRecord
-from foundation.settings import ProviderInstance, Settings
+from foundation.provider_instances import ProviderInstance
+from foundation.settings import Settings
 from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import (
     FleetPassResult,

@@ -22,7 +22,7 @@ from activities.deps import open_activity_deps
 from agent.build import build_agent_executable, zipapp_executable
 from foundation.executables import executable_problem, read_executable
 from foundation.files import ReloadedFile, replace_file
-from foundation.settings import SettingsError
+from foundation.setting_values import SettingsError
 from foundation.tls import CertificateAuthority
 from lifecycle.contracts import RESTART_AGENT_UPDATE, MachineStage
 from proto import takeover_pb2

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO, TypeAlias, TypeVar
 
-from foundation.settings import Settings, parse_duration
+from foundation.setting_values import parse_duration
+from foundation.settings import Settings
 from lifecycle.contracts import MaintenanceRequest, OperatorRequest
 from operations.client import OperatorClient
 from operations.connections import OperatorError

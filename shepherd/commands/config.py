@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from foundation.settings import Settings, effective_settings
+from foundation.settings import Settings
+from foundation.settings_report import effective_settings
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, resolve_settings
 

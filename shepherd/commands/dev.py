@@ -34,7 +34,9 @@ from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
 from foundation.executables import AgentExecutable
-from foundation.settings import ENV_PREFIX, ProviderInstance, Settings, parse_endpoint
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import ENV_PREFIX, parse_endpoint
+from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.temporal_payloads import DATA_CONVERTER
 from foundation.tls import local_certificates

@@ -41,7 +41,10 @@ from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import head_revision, schema_problem, schema_revision
 from bmdb.store import BMDB, BMDBUnavailable
 from foundation.executables import NotAnExecutable, read_agent_executable
-from foundation.settings import ProviderInstance, Settings, SettingsError, parse_endpoint, redact_url
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import SettingsError, parse_endpoint
+from foundation.settings import Settings
+from foundation.settings_report import redact_url
 from foundation.ssh_identity import SSHIdentityError, load_ssh_key
 from foundation.startup import (
     StartupError,

@@ -10,7 +10,8 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from bmdb.store import BMDBUnavailable
-from foundation.settings import Settings, format_duration
+from foundation.setting_values import format_duration
+from foundation.settings import Settings
 from lifecycle.contracts import fleet_schedule_id
 from operations.client import OperatorClient
 from operations.fleet_control import FleetAction, FleetPass, HoldRelease

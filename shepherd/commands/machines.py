@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from bmdb.store import MachineRecord
-from foundation.settings import Settings, format_duration
+from foundation.setting_values import format_duration
+from foundation.settings import Settings
 from lifecycle.contracts import MachineStage, machine_workflow_id
 from operations.client import OperatorClient
 from operations.machine_reads import NO_WORKFLOW, MachineView

@@ -8,7 +8,8 @@ from bmdb import migrate
 from bmdb.connection_errors import first_line
 from bmdb.local_postgres import bmdb_url
 from bmdb.store import BMDBUnavailable
-from foundation.settings import Settings, redact_url
+from foundation.settings import Settings
+from foundation.settings_report import redact_url
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common
 
 
