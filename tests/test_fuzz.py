@@ -24,7 +24,7 @@ from foundation.settings import Settings
 from lifecycle.takeover import MAX_TEXT, TakeoverError, TakeoverTarget, _parse_reply, machine_text, machine_warnings
 from processes.heartbeat_service import HeartbeatRejected, HeartbeatService
 from proto import agent_api_pb2, takeover_pb2
-from providers.static import InventoryError, load_inventory
+from providers.inventory import InventoryError, load_inventory
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # Longer than any parse may take: a parse that does not finish within it hangs.

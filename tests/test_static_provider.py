@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from providers import Availability, MachineNotFound, ProviderMachine, RetireAction
+from providers.inventory import InventoryError, load_inventory
 from providers.redfish import PowerReport
-from providers.static import InventoryError, NoBMC, StaticProvider, load_inventory
+from providers.static import NoBMC, StaticProvider
 
 SECRET = "pa55-word-in-file"
 

@@ -52,7 +52,7 @@ from lifecycle.contracts import (
 from operations.machine_reads import machine_stages
 from processes.worker import ensure_fleet_schedules
 from providers import ProviderError
-from providers.static import load_inventory
+from providers.inventory import load_inventory
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
 
 TEMPORAL_PORT = 7233

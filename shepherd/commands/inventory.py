@@ -21,8 +21,8 @@ from foundation.ssh_identity import SSHIdentityError, load_or_create_ssh_key
 from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.takeover import TakeoverError, TakeoverTarget, probe_ssh
 from providers import ProviderError
+from providers.inventory import InventoryMachine, load_inventory
 from providers.redfish import RedfishPowerControl, RedfishTimeouts
-from providers.static import InventoryMachine, load_inventory
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, show
 
 
