@@ -30,10 +30,10 @@ from processes.heartbeat_server import build_server
 from processes.heartbeat_service import HeartbeatService
 from processes.worker import ensure_fleet_schedules
 from shepherd.commands.dev import AGENT_ENDPOINT
-from shepherd.commands.doctor import (
+from shepherd.commands.doctor import embedded_stack
+from shepherd.commands.doctor_checks.temporal import (
     CLOCK_PROBE_WORKFLOW,
     Poller,
-    embedded_stack,
     shown_identities,
     task_queue_pollers,
     worker_task_queues,

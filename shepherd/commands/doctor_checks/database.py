@@ -1,0 +1,64 @@
+"""The BMDB checks: reachable, its schema at the newest migration, and its clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bmdb.local_postgres import LocalPostgres
+from bmdb.migrate import head_revision, schema_problem, schema_revision
+from bmdb.store import BMDB, BMDBUnavailable
+from foundation.settings_report import redact_url
+from shepherd.commands.doctor_checks.checkup import Checkup
+from shepherd.commands.doctor_checks.clocks import ClockReading, clock_verdict
+from shepherd.commands.doctor_checks.verdicts import Verdict, fail, ok
+
+
+class DatabaseChecks(Checkup):
+    """The checks of BMDB; it is opened once, and closed when doctor is done."""
+
+    async def bmdb_checks(self) -> None:
+        """Check BMDB: reachable first, then its schema and its clock."""
+        await self.check("bmdb", self.open_bmdb)
+        await self.check("bmdb schema", self.bmdb_schema, needs=["bmdb"])
+        await self.check("bmdb clock", self.bmdb_clock, needs=["bmdb"])
+
+    async def open_bmdb(self) -> Verdict:
+        """Whether BMDB answers, at database_url or in the local PostgreSQL; kept open for the next checks."""
+        url = self.settings.database_url
+        local = ""
+        if url is None:
+            data = self.settings.state_dir / "postgres"
+            if not data.is_dir():
+                fail(
+                    f"database_url is unset and there is no local PostgreSQL in {data}: set SHEPHERD_DATABASE_URL, "
+                    "or run `shepherd dev`"
+                )
+            # Joins the embedded stack's PostgreSQL when it runs, as every command does; started otherwise.
+            postgres = LocalPostgres(data)
+            url = await asyncio.to_thread(postgres.start)
+            self.stack.callback(postgres.stop)
+            local = f" (the local PostgreSQL in {data})"
+        bmdb = BMDB(url, pool_size=1)
+        self.stack.push_async_callback(bmdb.close)
+        try:
+            await bmdb.ping()
+        except BMDBUnavailable as error:
+            fail(f"{error} (setting database_url)", url=redact_url(url))
+        self.bmdb = bmdb
+        return ok(f"reachable at {redact_url(url)}{local}", url=redact_url(url))
+
+    async def bmdb_schema(self) -> Verdict:
+        """Whether BMDB is at the newest migration."""
+        assert self.bmdb is not None
+        revision, head = await schema_revision(self.bmdb), head_revision()
+        problem = schema_problem(self.bmdb.url, revision)
+        if problem is not None:
+            fail(problem, revision=revision, head=head)
+        return ok(f"at the newest migration, {head}", revision=revision, head=head)
+
+    async def bmdb_clock(self) -> Verdict:
+        """How far BMDB's clock is from this host's."""
+        assert self.bmdb is not None
+        before, remote, after = await self.bmdb.read_clock()
+        how = "SELECT clock_timestamp() between two readings of this host's clock"
+        return clock_verdict("BMDB's", ClockReading(before, remote, after), how)
