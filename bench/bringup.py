@@ -212,7 +212,7 @@ async def measure_shepherd(
     from bench.merged_workers import merged_serving, start_merged_bringup
     from lifecycle.contracts import SEARCH_ATTRIBUTES, machine_workflow_id
     from processes.worker import serving
-    from shepherd.commands.dev import temporal_cli
+    from shepherd.commands.dev_stack.children import temporal_cli
 
     sim = simulator(tmp, machines)
     await sim.start()

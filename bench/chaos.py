@@ -79,7 +79,8 @@ from foundation.tls import local_certificates
 from lifecycle.contracts import MachineStage, machine_workflow_id
 from operations.machine_reads import machine_stages
 from proto import AGENT_MAX_RETRY_INTERVAL
-from shepherd.commands.dev import settings_environment, simulator_argv, temporal_dev_server_argv
+from shepherd.commands.dev_stack.children import simulator_argv, temporal_dev_server_argv
+from shepherd.commands.dev_stack.stack_settings import settings_environment
 
 PROVIDER = "sim"
 PROJECT = Path(__file__).resolve().parents[1]

@@ -51,7 +51,8 @@ from lifecycle.contracts import (
     machine_workflow_id,
 )
 from lifecycle.inputs import lifecycle_policy
-from shepherd.commands.dev import settings_environment, temporal_cli
+from shepherd.commands.dev_stack.children import temporal_cli
+from shepherd.commands.dev_stack.stack_settings import settings_environment
 
 PROVIDER = "sim"
 TASK_QUEUE = "bench-memory"

@@ -67,7 +67,7 @@ def stack_settings(tmp_path: Path, sim_api_url: str, temporal_client: Client, **
 
 def shepherd_environment(settings: Settings, bmdb_url: str) -> dict[str, str]:
     """SHEPHERD_* variables that point a `shepherd` command at a test stack of these settings and this BMDB."""
-    from shepherd.commands.dev import settings_environment
+    from shepherd.commands.dev_stack.stack_settings import settings_environment
 
     return {**settings_environment(settings), "SHEPHERD_DATABASE_URL": bmdb_url}
 

@@ -29,7 +29,7 @@ from foundation.tls import CertificateAuthority, subject_alternative_name
 from processes.heartbeat_server import build_server
 from processes.heartbeat_service import HeartbeatService
 from processes.worker import ensure_fleet_schedules
-from shepherd.commands.dev import AGENT_ENDPOINT
+from shepherd.commands.dev_stack.stack_settings import AGENT_ENDPOINT
 from shepherd.commands.doctor import embedded_stack
 from shepherd.commands.doctor_checks.temporal import (
     CLOCK_PROBE_WORKFLOW,

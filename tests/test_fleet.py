@@ -28,7 +28,7 @@ from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID
 from lifecycle.inputs import fleet_input
 from operations.client import OperatorClient
 from proto import takeover_pb2
-from shepherd.commands.dev import settings_environment
+from shepherd.commands.dev_stack.stack_settings import settings_environment
 from shepherd.commands.fleet import schedule_line
 from shepherd.commands.machines import age, print_machines
 from simulator import Faults

