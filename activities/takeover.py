@@ -13,15 +13,8 @@ from activities.deps import ActivityDeps, provider_errors
 from bmdb.store import HostKeyPinned, MachineRecord
 from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
-from lifecycle.takeover import (
-    TakeoverError,
-    TakeoverFailure,
-    TakeoverSettings,
-    TakeoverTarget,
-    key_fingerprint,
-    stop_agent,
-    take_over,
-)
+from lifecycle.takeover import TakeoverSettings, key_fingerprint, stop_agent, take_over
+from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget
 from providers import MachineNotFound, ProviderMachine
 
 log = logging.getLogger(__name__)

@@ -4,36 +4,25 @@ answer.
 The checks are the seed Initializer's: the agent must exit with status 0,
 answer a TakeoverResponse, echo the TakeoverInit it was sent and give a
 32-byte ed25519 key. Every failure is a TakeoverError naming the machine, the
-address and the problem, with a TakeoverFailure saying which kind it is.
-The SSH session itself is foundation.ssh_sessions'; how its failures read
-as takeover problems is decided here, in one place.
+address and the problem, with a TakeoverFailure saying which kind it is
+(lifecycle.takeover_failures, which also reads an SSH session's failures as
+takeover problems).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import enum
 import hashlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
-
-from google.protobuf.message import DecodeError
+from typing import TYPE_CHECKING
 
 from foundation.executables import AgentExecutable
 from foundation.settings import Settings
-from foundation.ssh_sessions import (
-    CommandRun,
-    SSHFailure,
-    SSHLogin,
-    SSHSession,
-    SSHSessionError,
-    host_key_fingerprint,
-    ssh_answers,
-)
+from foundation.ssh_sessions import SSHSession, host_key_fingerprint, ssh_answers
+from lifecycle.machine_text import machine_text, machine_warnings
 from lifecycle.probe import (
     MachineFacts,
     ProbeError,
@@ -44,48 +33,26 @@ from lifecycle.probe import (
     run_command,
     where_to_unpack,
 )
+from lifecycle.takeover_failures import (
+    MAX_REPLY_SIZE,
+    PROBING,
+    RUNNING,
+    STDERR_IN_RESULT,
+    STOPPING,
+    UPLOADING,
+    TakeoverError,
+    TakeoverFailure,
+    TakeoverTarget,
+    parse_reply,
+    session_failures,
+    stderr_line,
+)
 from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
 if TYPE_CHECKING:
     import asyncssh
 
 ED25519_KEY_SIZE = 32
-# A TakeoverResponse is a few hundred bytes; an agent writing more than this is
-# broken, and Shepherd must not hold an unbounded reply in memory.
-MAX_REPLY_SIZE = 64 << 10
-# What a machine says travels into payloads, the event log and the history, through every continue-as-new:
-# each text it sends is cut to a line this long, and at most this many warnings are kept.
-MAX_TEXT = 300
-MAX_WARNINGS = 10
-# The session keeps only the end of the agent's standard error, where the reason is; this much of it reaches the
-# result, and this much a message.
-STDERR_IN_RESULT = 4096
-STDERR_IN_MESSAGE = 500
-# What the session is doing at each step, as a problem tells it.
-PROBING = "probing the machine"
-UPLOADING = "uploading the agent"
-RUNNING = "running the agent"
-STOPPING = "stopping the agent"
-
-
-@dataclass(frozen=True)
-class TakeoverTarget:
-    """Everything needed to reach one machine; no secrets."""
-
-    # BMDB machine UUID, sent to the agent in TakeoverInit.
-    machine_id: str
-    # Host name or IP address of the machine's SSH server.
-    address: str
-    port: int
-    username: str
-    # OpenSSH public key recorded at first contact (trust on first use); None
-    # before the first contact, when any host key is accepted and reported.
-    pinned_host_key: str | None = None
-
-    @property
-    def login(self) -> SSHLogin:
-        """Where and as whom an SSH session reaches the machine, and the host key it must show."""
-        return SSHLogin(self.address, self.port, self.username, self.pinned_host_key)
 
 
 @dataclass(frozen=True)
@@ -145,59 +112,6 @@ class TakeoverResult:
     machine: str = ""
 
 
-class TakeoverFailure(enum.StrEnum):
-    """Which kind of failure a TakeoverError is; its name becomes the activity error's type and the metric's outcome."""
-
-    CONNECT_REFUSED = "CONNECT_REFUSED"
-    CONNECT_TIMEOUT = "CONNECT_TIMEOUT"
-    AUTH_REJECTED = "AUTH_REJECTED"
-    HOST_KEY_CHANGED = "HOST_KEY_CHANGED"
-    SSH_ERROR = "SSH_ERROR"
-    UPLOAD_FAILED = "UPLOAD_FAILED"
-    # The machine's answer to the probe is unreadable: nothing is uploaded.
-    BAD_PROBE = "BAD_PROBE"
-    # No agent executable runs on the machine (its architecture or C library): nothing is uploaded.
-    MACHINE_UNSUPPORTED = "MACHINE_UNSUPPORTED"
-    # The agent's target path cannot take it: no directory, not writable, noexec, not enough disk.
-    TARGET_UNUSABLE = "TARGET_UNUSABLE"
-    # Non-zero exit status, or killed by a signal.
-    EXEC_FAILED = "EXEC_FAILED"
-    EXEC_TIMEOUT = "EXEC_TIMEOUT"
-    # Standard output is no TakeoverResponse, is empty, is too long, or has no result set.
-    BAD_REPLY = "BAD_REPLY"
-    # The agent answered with a TakeoverError.
-    AGENT_ERROR = "AGENT_ERROR"
-    INIT_NOT_ECHOED = "INIT_NOT_ECHOED"
-    # The agent's key is not 32 bytes.
-    BAD_KEY = "BAD_KEY"
-
-    @property
-    def retryable(self) -> bool:
-        # A changed host key may be an impostor: an operator must look before
-        # Shepherd sends anything to that machine again. All else may pass.
-        return self is not TakeoverFailure.HOST_KEY_CHANGED
-
-
-class TakeoverError(Exception):
-    """Taking over one machine failed; str() is one sentence naming machine, address and problem."""
-
-    def __init__(self, failure: TakeoverFailure, target: TakeoverTarget, problem: str) -> None:
-        super().__init__(f"takeover of machine {target.machine_id} at {target.login.host_port} failed: {problem}")
-        self.failure = failure
-        self.target = target
-        self.problem = problem
-        self.machine_id = target.machine_id
-        self.address = target.address
-
-    @property
-    def retryable(self) -> bool:
-        return self.failure.retryable
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # The constructor's arguments are not the message: rebuild from them when pickled or copied.
-        return (type(self), (self.failure, self.target, self.problem))
-
-
 def takeover_init(machine_id: str, settings: TakeoverSettings) -> takeover_pb2.TakeoverInit:
     """What the agent of machine_id is told: who it is, where to send heartbeats, which CAs to trust there."""
     return takeover_pb2.TakeoverInit(
@@ -226,7 +140,7 @@ async def take_over(
     this can fail. The connection is always closed before this returns.
     """
     init = takeover_init(target.machine_id, settings)
-    with _session_failures(target):
+    with session_failures(target):
         async with SSHSession(target.login, client_key, settings.connect_timeout) as session:
             host_key = session.host_key()
             if pin is not None and target.pinned_host_key is None:
@@ -253,8 +167,8 @@ async def take_over(
             how = "ended without an exit status"
         else:
             how = f"exited with status {run.exit_status}"
-        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {_stderr_line(run)}")
-    success = _parse_reply(run.stdout, target)
+        raise TakeoverError(TakeoverFailure.EXEC_FAILED, target, f"the agent {how}; stderr: {stderr_line(run)}")
+    success = parse_reply(run.stdout, target)
     if success.init_message != init:
         raise TakeoverError(
             TakeoverFailure.INIT_NOT_ECHOED,
@@ -286,7 +200,7 @@ async def _probe(session: SSHSession, target: TakeoverTarget, settings: Takeover
     try:
         return parse_probe(run.stdout.decode(errors="replace"), settings.target_path)
     except ProbeError as error:
-        status = f"exit status {run.exit_status}, stderr: {_stderr_line(run)}"
+        status = f"exit status {run.exit_status}, stderr: {stderr_line(run)}"
         raise TakeoverError(TakeoverFailure.BAD_PROBE, target, f"{machine_text(str(error))} ({status})") from None
 
 
@@ -320,7 +234,7 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
     The host key is checked as for a takeover, before anything is sent. Raises TakeoverError when there is no
     session, or the executable does not confirm the stop (an agent without --stop, or none uploaded).
     """
-    with _session_failures(target, stopping=True):
+    with session_failures(target, stopping=True):
         async with (
             SSHSession(target.login, client_key, settings.connect_timeout) as session,
             session.time_limit(settings.exec_timeout),
@@ -336,7 +250,7 @@ async def stop_agent(target: TakeoverTarget, settings: TakeoverSettings, client_
         TakeoverFailure.EXEC_FAILED,
         target,
         f"{settings.target_path} {AGENT_STOP_ARGUMENT} did not confirm the stop (exit status {run.exit_status}, "
-        f"answer {answer[:100]!r}, stderr: {_stderr_line(run)})",
+        f"answer {answer[:100]!r}, stderr: {stderr_line(run)})",
     )
 
 
@@ -345,61 +259,9 @@ async def probe_ssh(target: TakeoverTarget, client_key: asyncssh.SSHKey, connect
 
     Raises TakeoverError, as take_over does, when the session cannot be had.
     """
-    with _session_failures(target):
+    with session_failures(target):
         async with SSHSession(target.login, client_key, connect_timeout) as session:
             return session.host_key()
-
-
-@contextmanager
-def _session_failures(target: TakeoverTarget, *, stopping: bool = False) -> Iterator[None]:
-    """Raise an SSH session's failure as the TakeoverError it is; a stop tells its timeout and breakage as its own."""
-    try:
-        yield
-    except SSHSessionError as error:
-        failure, problem = _takeover_failure(error, target, stopping)
-        raise TakeoverError(failure, target, problem) from None
-
-
-def _takeover_failure(error: SSHSessionError, target: TakeoverTarget, stopping: bool) -> tuple[TakeoverFailure, str]:
-    """The kind and the problem of the TakeoverError that an SSH session's failure is."""
-    reset = "`shepherd reset-host-key`"
-    match error.failure:
-        case SSHFailure.PIN_UNREADABLE:
-            return TakeoverFailure.HOST_KEY_CHANGED, (
-                f"the pinned host key is not an OpenSSH public key ({error.detail}); {reset} the machine"
-            )
-        case SSHFailure.HOST_KEY_CHANGED:
-            return TakeoverFailure.HOST_KEY_CHANGED, (
-                "the SSH host key differs from the one pinned at first contact; "
-                f"if the machine was reinstalled, {reset} it, otherwise find out who answers there"
-            )
-        case SSHFailure.CONNECT_TIMEOUT:
-            problem = f"no SSH session within {error.time_limit:g}s (connect, handshake and login)"
-            return TakeoverFailure.CONNECT_TIMEOUT, problem
-        case SSHFailure.CONNECT_REFUSED:
-            return TakeoverFailure.CONNECT_REFUSED, "the connection was refused"
-        case SSHFailure.AUTH_REJECTED:
-            return TakeoverFailure.AUTH_REJECTED, f"the machine rejected Shepherd's SSH key for user {target.username}"
-        case SSHFailure.CONNECT_FAILED:
-            return TakeoverFailure.SSH_ERROR, f"cannot open an SSH session: {error.detail}"
-        case SSHFailure.NO_HOST_KEY:
-            return TakeoverFailure.SSH_ERROR, "the SSH server showed no host key"
-        case SSHFailure.UPLOAD_FAILED:
-            return TakeoverFailure.UPLOAD_FAILED, f"cannot upload the agent to {error.path}: {error.detail}"
-        case SSHFailure.OUTPUT_TOO_LONG:
-            # The probe's answer is not the agent's reply: a machine that floods it is refused before any upload.
-            probing = error.doing == PROBING
-            who = "the machine's answer to the probe" if probing else "the agent"
-            return TakeoverFailure.BAD_PROBE if probing else TakeoverFailure.BAD_REPLY, (
-                f"{who} wrote more than {MAX_REPLY_SIZE} bytes to its standard output, which is no reply"
-            )
-        case SSHFailure.TIMEOUT:
-            if stopping:
-                return TakeoverFailure.EXEC_TIMEOUT, f"the agent's stop took longer than {error.time_limit:g}s"
-            return TakeoverFailure.EXEC_TIMEOUT, f"not done within {error.time_limit:g}s while {error.doing}"
-        case SSHFailure.BROKEN:
-            doing = STOPPING if stopping else error.doing
-            return TakeoverFailure.SSH_ERROR, f"SSH failed while {doing}: {machine_text(error.detail)}"
 
 
 async def wait_until_booted(
@@ -432,49 +294,3 @@ def key_fingerprint(public_key: bytes) -> str:
     """OpenSSH-style SHA256 fingerprint of a raw ed25519 public key."""
     digest = base64.b64encode(hashlib.sha256(public_key).digest()).decode().rstrip("=")
     return f"SHA256:{digest}"
-
-
-def machine_text(text: str, limit: int = MAX_TEXT) -> str:
-    """What a machine said, on one line of printable characters, at most limit long (the cut is said)."""
-    line = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 4]).split())
-    if len(line) <= limit and len(text) <= limit * 4:
-        return line
-    cut = f"... ({len(text)} chars)"
-    return line[: limit - len(cut)] + cut
-
-
-def _stderr_line(run: CommandRun) -> str:
-    """The end of standard error on one printable line, for a message; "(empty)" when there was none."""
-    tail = run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]
-    return machine_text(" | ".join(tail.splitlines()), STDERR_IN_MESSAGE) or "(empty)"
-
-
-def machine_warnings(warnings: Sequence[str]) -> list[str]:
-    """At most MAX_WARNINGS of a machine's warnings, each cut by machine_text; the rest counted in a last one."""
-    kept = [machine_text(w) for w in warnings[:MAX_WARNINGS]]
-    if len(warnings) > MAX_WARNINGS:
-        kept.append(f"and {len(warnings) - MAX_WARNINGS} more warnings")
-    return kept
-
-
-def _parse_reply(stdout: bytes, target: TakeoverTarget) -> takeover_pb2.TakeoverSuccess:
-    if not stdout:
-        raise TakeoverError(TakeoverFailure.BAD_REPLY, target, "the agent wrote nothing to its standard output")
-    response = takeover_pb2.TakeoverResponse()
-    try:
-        response.ParseFromString(stdout)
-    except DecodeError:
-        raise TakeoverError(
-            TakeoverFailure.BAD_REPLY,
-            target,
-            f"the agent's reply ({len(stdout)} bytes) is no TakeoverResponse: {stdout[:60]!r}",
-        ) from None
-    result = response.WhichOneof("result")
-    if result == "error":
-        message = machine_text(response.error.message, STDERR_IN_MESSAGE)
-        raise TakeoverError(TakeoverFailure.AGENT_ERROR, target, f"the agent reported: {message}")
-    if result != "success":
-        raise TakeoverError(
-            TakeoverFailure.BAD_REPLY, target, f"the agent's TakeoverResponse ({len(stdout)} bytes) has no result set"
-        )
-    return response.success

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from bmdb.store import BMDB
 from foundation.setting_values import SettingsError
 from foundation.settings import Settings
-from lifecycle.takeover import MAX_TEXT, TakeoverError, TakeoverTarget, _parse_reply, machine_text, machine_warnings
+from lifecycle.machine_text import MAX_TEXT, machine_text, machine_warnings
+from lifecycle.takeover_failures import TakeoverError, TakeoverTarget, parse_reply
 from processes.heartbeat_service import HeartbeatRejected, HeartbeatService
 from proto import agent_api_pb2, takeover_pb2
 from providers.inventory import InventoryError, load_inventory
@@ -111,7 +112,7 @@ TARGET = TakeoverTarget(machine_id="m", address="192.0.2.1", port=22, username="
 @given(stdout=st.binary(max_size=4096))
 def test_any_takeover_reply_is_a_success_or_a_takeover_error(stdout):
     try:
-        success = _parse_reply(stdout, TARGET)
+        success = parse_reply(stdout, TARGET)
     except TakeoverError as error:
         assert str(error).startswith("takeover of machine m at 192.0.2.1:22 failed: ")
         assert "\n" not in str(error) and len(str(error)) < 1000

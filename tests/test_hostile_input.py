@@ -12,15 +12,9 @@ import pytest
 from foundation import ssh_sessions
 from foundation.files import replace_file
 from foundation.settings import Settings
-from lifecycle.takeover import (
-    MAX_TEXT,
-    MAX_WARNINGS,
-    TakeoverError,
-    TakeoverFailure,
-    TakeoverSettings,
-    TakeoverTarget,
-    take_over,
-)
+from lifecycle.machine_text import MAX_TEXT, MAX_WARNINGS
+from lifecycle.takeover import TakeoverSettings, take_over
+from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget
 from proto import takeover_pb2
 from providers import MachineNotFound
 from providers.sim import SimProvider

@@ -20,7 +20,8 @@ from lifecycle.probe import (
     choose_agent,
     parse_probe,
 )
-from lifecycle.takeover import TakeoverError, TakeoverFailure, TakeoverSettings, TakeoverTarget, take_over
+from lifecycle.takeover import TakeoverSettings, take_over
+from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget
 from tests.elf_files import AARCH64, elf
 from tests.sshd_fixtures import BareMachine, bare_machine_fixture  # noqa: F401 (a pytest fixture)
 

@@ -26,16 +26,8 @@ from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
 from foundation.executables import executable_target
 from foundation.settings import Settings
 from foundation.ssh_sessions import ssh_answers
-from lifecycle.takeover import (
-    MAX_REPLY_SIZE,
-    TakeoverError,
-    TakeoverFailure,
-    TakeoverSettings,
-    TakeoverTarget,
-    stop_agent,
-    take_over,
-    wait_until_booted,
-)
+from lifecycle.takeover import TakeoverSettings, stop_agent, take_over, wait_until_booted
+from lifecycle.takeover_failures import MAX_REPLY_SIZE, TakeoverError, TakeoverFailure, TakeoverTarget
 from proto import takeover_pb2
 from providers.sim import SimProvider
 from simulator import Faults, Simulator, SimulatorConfig

@@ -19,7 +19,8 @@ import asyncssh
 from foundation.settings import Settings
 from foundation.ssh_identity import SSHIdentityError, load_or_create_ssh_key
 from foundation.ssh_sessions import host_key_fingerprint
-from lifecycle.takeover import TakeoverError, TakeoverTarget, probe_ssh
+from lifecycle.takeover import probe_ssh
+from lifecycle.takeover_failures import TakeoverError, TakeoverTarget
 from providers import ProviderError
 from providers.inventory import InventoryMachine, load_inventory
 from providers.redfish import RedfishPowerControl, RedfishTimeouts
