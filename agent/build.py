@@ -62,7 +62,7 @@ NO_HEARTBEATS_ENTRY_POINT = (
 )
 # What the agent imports on the machine, and what it never needs: the PyInstaller analysis follows every import of
 # the libraries, among them code generators, test frameworks and codecs an agent never loads.
-HIDDEN_IMPORTS = ("agent.heartbeat", "agent.grpc_channel", "pkgutil", "_cffi_backend")
+HIDDEN_IMPORTS = ("agent.heartbeat", "agent.grpc_channel", "agent.grpc_messages", "pkgutil", "_cffi_backend")
 EXCLUDED_MODULES = (
     # The agent speaks gRPC through agent.grpc_channel, not grpcio (17 MiB of native code and threads of its own).
     "grpc",

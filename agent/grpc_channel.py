@@ -5,8 +5,8 @@ threads of its own (a channel poller, an event engine, timers) that wake several
 call is open: about 1.5 ms of CPU a second on an idle machine, and 17 MiB of native code in the agent executable.
 Here the agent blocks in one ``recv`` on its socket between heartbeats, which wakes only when the server writes
 (an answer, or a keepalive ping that h2 answers), so an idle agent spends no CPU. h2 keeps the HTTP/2 state
-(framing, header compression, flow control, pings); this module adds the little gRPC puts on top: the five-byte
-message prefix, the request headers, and the status in the trailers (the gRPC over HTTP/2 protocol).
+(framing, header compression, flow control, pings); this module adds the request headers, and
+agent.grpc_messages the rest gRPC puts on top: the five-byte message prefix and the status in the trailers.
 
 Kept free of the rest of Shepherd: it runs inside the agent executable.
 """
@@ -16,9 +16,7 @@ from __future__ import annotations
 import socket
 import ssl
 import time
-import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import h2.config
 import h2.connection
@@ -26,50 +24,17 @@ import h2.errors
 import h2.events
 import h2.exceptions
 
-# gRPC's status codes by number, as the grpc-status trailer gives them.
-STATUS_NAMES = (
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
+from agent.grpc_messages import (
+    MAX_MESSAGE_SIZE,
+    PREFIX_SIZE,
+    RESET_STATUS,
+    CallStream,
+    RpcError,
+    error_name,
+    framed,
 )
-# The status of a call whose HTTP/2 stream the server reset, by the reset's error code (gRPC over HTTP/2).
-_RESET_STATUS = {
-    h2.errors.ErrorCodes.REFUSED_STREAM: "UNAVAILABLE",
-    h2.errors.ErrorCodes.CANCEL: "CANCELLED",
-    h2.errors.ErrorCodes.ENHANCE_YOUR_CALM: "RESOURCE_EXHAUSTED",
-    h2.errors.ErrorCodes.INADEQUATE_SECURITY: "PERMISSION_DENIED",
-}
-# The status of an answer without grpc-status, by its HTTP status (a proxy's answer, not a gRPC server's).
-_HTTP_STATUS = {"400": "INTERNAL", "401": "UNAUTHENTICATED", "403": "PERMISSION_DENIED", "404": "UNIMPLEMENTED"}
-# The answers the agent reads are a few dozen bytes; anything near this is not Shepherd talking.
-MAX_MESSAGE_SIZE = 64 * 1024
-_PREFIX_SIZE = 5
+
 RECEIVE_SIZE = 65536
-
-
-class RpcError(Exception):
-    """A call that ended without its answer: gRPC's status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...), what the
-    server or the connection said, and the trailing metadata the server sent with the status."""
-
-    def __init__(self, code: str, details: str, trailers: Mapping[str, str] | None = None) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
-        self.trailers = dict(trailers or {})
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -95,54 +60,6 @@ def tls_context(ca_certificates_der: Sequence[bytes]) -> ssl.SSLContext:
     return context
 
 
-@dataclass
-class _Stream:
-    """What the server sent on one call's stream so far."""
-
-    data: bytearray = field(default_factory=bytearray)
-    headers: dict[str, str] = field(default_factory=dict)
-    ended: bool = False
-    # The call's status once the stream ended without one in its headers: a reset, a lost connection.
-    failure: RpcError | None = None
-
-    def has_message(self) -> bool:
-        """Whether a whole message waits in the buffer (or a prefix that message() refuses)."""
-        if len(self.data) < _PREFIX_SIZE:
-            return False
-        size = int.from_bytes(self.data[1:_PREFIX_SIZE], "big")
-        return size > MAX_MESSAGE_SIZE or len(self.data) >= _PREFIX_SIZE + size
-
-    def message(self) -> bytes | None:
-        """The next whole message received, taken from the buffer, or None while it is incomplete."""
-        if len(self.data) < _PREFIX_SIZE:
-            return None
-        compressed, size = self.data[0], int.from_bytes(self.data[1:_PREFIX_SIZE], "big")
-        if compressed:
-            raise RpcError("INTERNAL", "the server sent a compressed message, which the agent never asked for")
-        if size > MAX_MESSAGE_SIZE:
-            raise RpcError("RESOURCE_EXHAUSTED", f"the server sent a message of {size} bytes")
-        if len(self.data) < _PREFIX_SIZE + size:
-            return None
-        message = bytes(self.data[_PREFIX_SIZE : _PREFIX_SIZE + size])
-        del self.data[: _PREFIX_SIZE + size]
-        return message
-
-    def status(self) -> RpcError | None:
-        """How the ended stream ended: None for OK, else the error."""
-        if self.failure is not None:
-            return self.failure
-        code = self.headers.get("grpc-status")
-        if code is None:
-            http = self.headers.get(":status", "")
-            name = _HTTP_STATUS.get(http, "UNAVAILABLE" if http in ("429", "502", "503", "504") else "UNKNOWN")
-            return RpcError(name, f"an answer without a gRPC status (HTTP {http or 'status missing'})", self.headers)
-        if code == "0":
-            return None
-        name = STATUS_NAMES[int(code)] if code.isdigit() and int(code) < len(STATUS_NAMES) else "UNKNOWN"
-        details = urllib.parse.unquote(self.headers.get("grpc-message", ""))
-        return RpcError(name, details or f"status {code}", self.headers)
-
-
 class Channel:
     """Calls to one gRPC server, on one HTTP/2 connection opened at the first call and again after it broke.
 
@@ -164,7 +81,7 @@ class Channel:
         self._tls = tls_context(ca_certificates_der)
         self._socket: ssl.SSLSocket | None = None
         self._http2: h2.connection.H2Connection | None = None
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, CallStream] = {}
         # Why the last connection ended, for whoever still waits on it.
         self._lost = RpcError("UNAVAILABLE", "not connected")
         # The connection's first bytes, until they show the server's HTTP/2 preface (a SETTINGS frame).
@@ -227,7 +144,7 @@ class Channel:
         if timeout is not None:
             headers.append(("grpc-timeout", f"{max(1, int(timeout * 1000))}m"))
         http2.send_headers(stream_id, headers)
-        self._streams[stream_id] = _Stream()
+        self._streams[stream_id] = CallStream()
         self._flush(deadline)
         return stream_id
 
@@ -236,7 +153,7 @@ class Channel:
         stream = self._streams.get(stream_id)
         if stream is None or stream.ended:
             raise (stream.status() if stream else None) or RpcError("UNAVAILABLE", "the stream has ended")
-        data = len(message).to_bytes(_PREFIX_SIZE, "big") + message
+        data = framed(message)
         while data:
             http2 = self._connection()
             window = min(http2.local_flow_control_window(stream_id), http2.max_outbound_frame_size)
@@ -368,7 +285,7 @@ class Channel:
 
     def _on(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.ConnectionTerminated):
-            self._drop(RpcError("UNAVAILABLE", f"the server closed the connection ({_error_name(event.error_code)})"))
+            self._drop(RpcError("UNAVAILABLE", f"the server closed the connection ({error_name(event.error_code)})"))
             return
         stream = self._streams.get(getattr(event, "stream_id", 0) or 0)
         if stream is None:
@@ -379,7 +296,7 @@ class Channel:
             stream.data += event.data
             assert self._http2 is not None
             self._http2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            if len(stream.data) > MAX_MESSAGE_SIZE + _PREFIX_SIZE:
+            if len(stream.data) > MAX_MESSAGE_SIZE + PREFIX_SIZE:
                 stream.failure = RpcError("RESOURCE_EXHAUSTED", f"the server sent over {MAX_MESSAGE_SIZE} bytes")
                 stream.ended = True
         elif isinstance(event, h2.events.StreamEnded):
@@ -387,8 +304,8 @@ class Channel:
         elif isinstance(event, h2.events.StreamReset) and not stream.ended:
             # After its trailers a server may reset the stream (NO_ERROR) to stop this side sending: the status
             # in the trailers stands.
-            name = _RESET_STATUS.get(event.error_code, "INTERNAL")  # type: ignore[call-overload]
-            stream.failure = RpcError(name, f"the server reset the stream ({_error_name(event.error_code)})")
+            name = RESET_STATUS.get(event.error_code, "INTERNAL")  # type: ignore[call-overload]
+            stream.failure = RpcError(name, f"the server reset the stream ({error_name(event.error_code)})")
             stream.ended = True
 
     def _drop(self, error: RpcError) -> RpcError:
@@ -406,16 +323,6 @@ class Channel:
         return error
 
 
-def _error_name(code: int | None) -> str:
-    """An HTTP/2 error code's name, or its number when h2 does not know it."""
-    if code is None:
-        return "no error code"
-    try:
-        return h2.errors.ErrorCodes(code).name
-    except ValueError:
-        return f"error code {code}"
-
-
 class Call:
     """One call's stream: send messages, receive the answers in order, cancel it when done."""
 
@@ -426,7 +333,7 @@ class Call:
         self.stream_id: int | None = None
 
     @property
-    def stream(self) -> _Stream:
+    def stream(self) -> CallStream:
         """The call's stream on the channel; only once the call has sent."""
         assert self.stream_id is not None
         return self.channel._streams[self.stream_id]

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from agent.grpc_channel import Channel, RpcError
+from agent.grpc_channel import Channel
+from agent.grpc_messages import RpcError
 from agent.keys import Signer
 from proto import AGENT_MAX_RETRY_INTERVAL, SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, signing_payload

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.build import build_agent_executable
-from agent.grpc_channel import RpcError
+from agent.grpc_messages import RpcError
 from agent.heartbeat import (
     MIN_RETRY_DELAY,
     STREAM_REFUSED_RETRY_AFTER,

@@ -20,7 +20,8 @@ import h2.errors
 import h2.events
 import pytest
 
-from agent.grpc_channel import MAX_MESSAGE_SIZE, Channel, RpcError
+from agent.grpc_channel import Channel
+from agent.grpc_messages import MAX_MESSAGE_SIZE, RpcError
 from foundation.tls import local_certificates
 
 METHOD = "/test.Echo/Call"
