@@ -3,13 +3,16 @@
 Every request is signed with the ed25519 key the agent reported at takeover. The signatures are checked on threads
 of their own, those that arrive meanwhile together (SignatureChecks). A machine without an agent key is checked
 against a dummy key, and the BMDB read it skips is waited for as long as one takes (StandIn): an unknown machine,
-a wrong key and a bad signature cannot be told apart by the answer or by its time.
+a wrong key and a bad signature cannot be told apart by the answer or by its time. AgentKeys finds the key a
+request is checked against, from a cache of the running agents' keys or else from BMDB.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from bmdb.store import BMDB
 from foundation.precise_sleep import precise_sleep
 from proto import agent_api_pb2
 from proto.signing import signing_payload
@@ -31,6 +35,12 @@ SPLIT_ABOVE = 8
 
 # How much each new duration moves a StandIn's averages.
 STAND_IN_WEIGHT = 1 / 32
+
+# Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
+KEY_CACHE_SIZE = 100_000
+
+# Machine ids BMDB has no agent for, remembered for one heartbeat interval: a flood of them costs no BMDB reads.
+UNKNOWN_CACHE_SIZE = 100_000
 
 # Verified when a machine has no agent key, so an unknown id costs what a wrong key does.
 DUMMY_KEY = Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -149,3 +159,85 @@ def _signed_by(key: bytes, request: agent_api_pb2.HeartbeatRequest) -> bool:
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+class AgentKeys:
+    """The agent key that signed a heartbeat, from a cache or else from BMDB, found in the same time whether or not
+    there is one.
+
+    A cached key saves the heartbeat a BMDB statement. It never lets a heartbeat in on its own: the recording
+    statement checks the key against BMDB again, and a miss re-reads it.
+    """
+
+    def __init__(
+        self,
+        bmdb: BMDB,
+        *,
+        unknown_for: float,
+        cache_size: int = KEY_CACHE_SIZE,
+        sleep: Callable[[float], Awaitable[None]] = precise_sleep,
+    ) -> None:
+        self.bmdb = bmdb
+        self.signatures = SignatureChecks()
+        self.key_read_time = StandIn(sleep)
+        self._keys: OrderedDict[uuid.UUID, bytes] = OrderedDict()
+        self._cache_size = cache_size
+        # Machine id -> until when BMDB is not asked again for it (it had no agent key).
+        self._unknown: OrderedDict[uuid.UUID, float] = OrderedDict()
+        self._unknown_for = unknown_for
+
+    async def load(self) -> int:
+        """Cache the running agents' keys, as many as the cache holds; how many were loaded."""
+        keys = await self.bmdb.agent_public_keys(self._cache_size)
+        self._keys.update(keys)
+        return len(keys)
+
+    def close(self) -> None:
+        """Stop the signature threads."""
+        self.signatures.close()
+
+    def forget(self, machine_id: uuid.UUID) -> None:
+        """Drop a machine's cached key: its agent was replaced or forgotten since."""
+        self._keys.pop(machine_id, None)
+
+    async def signing_key(self, machine_id: uuid.UUID, request: agent_api_pb2.HeartbeatRequest) -> bytes | None:
+        """The machine's agent key that signed this request; None when there is none, or it did not sign it.
+
+        Every refusal costs one signature check and one BMDB read, or the time of one: an unknown id and a wrong
+        key cannot be told apart by how long the answer takes.
+        """
+        cached = self._keys.get(machine_id)
+        if cached is not None and await self.signatures.signed_by(cached, request):
+            self._keys.move_to_end(machine_id)
+            return cached
+        now = time.monotonic()
+        if self._unknown.get(machine_id, 0.0) > now:
+            # Waiting costs neither BMDB nor CPU, and a prober cannot renew the entry: it lapses after an interval.
+            await self.key_read_time.wait()
+            key = None
+        else:
+            started = time.perf_counter()
+            key = await self.bmdb.agent_public_key(machine_id)
+            self.key_read_time.add(time.perf_counter() - started)
+            self._remember_unknown(machine_id, None if key is not None else now + self._unknown_for)
+        if key is None:
+            # Checked against a dummy key, for the time of a real check; the answer is no whatever it says.
+            await self.signatures.signed_by(DUMMY_KEY, request)
+            return None
+        # The key BMDB holds is the cached one that did not verify: no second check needed to say no.
+        if key == cached or not await self.signatures.signed_by(key, request):
+            return None
+        self._keys[machine_id] = key
+        self._keys.move_to_end(machine_id)
+        if len(self._keys) > self._cache_size:
+            self._keys.popitem(last=False)
+        return key
+
+    def _remember_unknown(self, machine_id: uuid.UUID, until: float | None) -> None:
+        """Keep BMDB from being asked about a machine without an agent key until `until`; None forgets it."""
+        self._unknown.pop(machine_id, None)
+        if until is None:
+            return
+        self._unknown[machine_id] = until
+        if len(self._unknown) > UNKNOWN_CACHE_SIZE:
+            self._unknown.popitem(last=False)

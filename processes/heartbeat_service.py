@@ -32,7 +32,7 @@ from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.logs import ThrottledLog
 from foundation.precise_sleep import precise_sleep
 from processes.heartbeat_admission import AddressRates
-from processes.heartbeat_auth import DUMMY_KEY, SignatureChecks, StandIn
+from processes.heartbeat_auth import KEY_CACHE_SIZE, AgentKeys
 from proto import SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE
 
@@ -65,14 +65,8 @@ TOO_MANY_STREAMS_FROM_ADDRESS_LOG = (
     "a heartbeat stream from %s refused: it has %d streams open (setting heartbeat_max_streams_per_address)"
 )
 
-# Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
-KEY_CACHE_SIZE = 100_000
-
 # Machines whose clock skew was logged, remembered so each is logged once.
 SKEW_LOGGED_SIZE = 10_000
-
-# Machine ids BMDB has no agent for, remembered for one heartbeat interval: a flood of them costs no BMDB reads.
-UNKNOWN_CACHE_SIZE = 100_000
 
 # Heartbeats handled at once, over both calls; beyond it a heartbeat is answered RETRY_LATER on a stream and
 # RESOURCE_EXHAUSTED on the unary call, and the agent backs off and retries.
@@ -149,17 +143,10 @@ class HeartbeatService:
     ) -> None:
         self.bmdb = bmdb
         self.batcher = HeartbeatBatcher(bmdb)
-        self._signature_checks = SignatureChecks()
+        self.agent_keys = AgentKeys(bmdb, unknown_for=interval, cache_size=key_cache_size, sleep=sleep)
         # An id known to have no agent key is answered after as long as reading one from BMDB takes.
-        self.key_read_time = StandIn(sleep)
-        # A heartbeat then costs one BMDB statement, not two. A cached key
-        # never lets a heartbeat in on its own: the recording statement
-        # checks the key against BMDB again, and a miss re-reads it.
-        self._keys: OrderedDict[uuid.UUID, bytes] = OrderedDict()
-        self._key_cache_size = key_cache_size
+        self.key_read_time = self.agent_keys.key_read_time
         self._skew_logged: OrderedDict[uuid.UUID, None] = OrderedDict()
-        # Machine id -> until when BMDB is not asked again for it (it had no agent key).
-        self._unknown: OrderedDict[uuid.UUID, float] = OrderedDict()
         self.address_rates = AddressRates(peer_rate, peer_burst)
         # A flood of junk or a BMDB outage must not flood the log too: every rejection is counted in
         # shepherd_heartbeat_requests_total, and logged a line a kind every REJECTION_LOG_EVERY seconds.
@@ -194,14 +181,12 @@ class HeartbeatService:
     async def load_keys(self) -> int:
         """Fill the key cache with the running agents' keys, so a server just started reads BMDB once, not once a
         machine; how many were loaded."""
-        keys = await self.bmdb.agent_public_keys(self._key_cache_size)
-        self._keys.update(keys)
-        return len(keys)
+        return await self.agent_keys.load()
 
     async def close(self) -> None:
         """Stop the heartbeat batcher, answering those still queued as not recorded, then the signature checks."""
         await self.batcher.close()
-        self._signature_checks.close()
+        self.agent_keys.close()
 
     def _count(self, result: str, call: str = "unary") -> None:
         self.results[result] += 1
@@ -359,11 +344,13 @@ class HeartbeatService:
             )
         sent_at = datetime.fromtimestamp(request.sent_at_unix_ms / 1000, UTC)
         try:
-            key = await self._signing_key(machine_id, request)
+            key = await self.agent_keys.signing_key(machine_id, request)
+            if key is None:
+                _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
             recorded = await self.batcher.record(Heartbeat(machine_id, key, sent_at))
             if not recorded and await self.bmdb.agent_public_key(machine_id) != key:
                 # The agent was replaced or forgotten (recovery) since its key was cached.
-                self._keys.pop(machine_id, None)
+                self.agent_keys.forget(machine_id)
                 _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
         except (SQLAlchemyError, HeartbeatsNotRecorded) as error:
             self._log_now_and_then(logging.ERROR, "bmdb", "BMDB failed while recording a heartbeat: %s", error)
@@ -391,49 +378,6 @@ class HeartbeatService:
             "behind" if behind_ms > 0 else "ahead of",
             self.max_skew_ms / 1000,
         )
-
-    async def _signing_key(self, machine_id: uuid.UUID, request: agent_api_pb2.HeartbeatRequest) -> bytes:
-        """The machine's agent key that signed this request, from the cache or else from BMDB.
-
-        Every refusal costs one signature check and one BMDB read, or the
-        time of one: an unknown id and a wrong key cannot be told apart by
-        how long the answer takes.
-        """
-        cached = self._keys.get(machine_id)
-        if cached is not None and await self._signature_checks.signed_by(cached, request):
-            self._keys.move_to_end(machine_id)
-            return cached
-        now = time.monotonic()
-        if self._unknown.get(machine_id, 0.0) > now:
-            # Waiting costs neither BMDB nor CPU, and a prober cannot renew the entry: it lapses after an interval.
-            await self.key_read_time.wait()
-            key = None
-        else:
-            started = time.perf_counter()
-            key = await self.bmdb.agent_public_key(machine_id)
-            self.key_read_time.add(time.perf_counter() - started)
-            self._remember_unknown(machine_id, None if key is not None else now + self.interval_ms / 1000)
-        if key is None:
-            # Checked against a dummy key, for the time of a real check; the answer is no whatever it says.
-            await self._signature_checks.signed_by(DUMMY_KEY, request)
-            _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
-        # The key BMDB holds is the cached one that did not verify: no second check needed to say no.
-        if key == cached or not await self._signature_checks.signed_by(key, request):
-            _reject(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", NOT_ACCEPTED)
-        self._keys[machine_id] = key
-        self._keys.move_to_end(machine_id)
-        if len(self._keys) > self._key_cache_size:
-            self._keys.popitem(last=False)
-        return key
-
-    def _remember_unknown(self, machine_id: uuid.UUID, until: float | None) -> None:
-        """Keep BMDB from being asked about a machine without an agent key until `until`; None forgets it."""
-        self._unknown.pop(machine_id, None)
-        if until is None:
-            return
-        self._unknown[machine_id] = until
-        if len(self._unknown) > UNKNOWN_CACHE_SIZE:
-            self._unknown.popitem(last=False)
 
 
 def _host_of(peer: str) -> str:
