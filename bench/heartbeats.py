@@ -633,7 +633,9 @@ def main() -> None:
     parser.add_argument(
         "--processes", type=int, default=1, help="over 1: run shepherd heartbeat-server --processes N instead"
     )
-    parser.add_argument("--refusals", type=int, default=1000, help="refusals timed of each kind, after the load")
+    parser.add_argument(
+        "--refusals", type=int, default=1000, help="refusals timed of each kind, after the load (2 at least)"
+    )
     parser.add_argument(
         "--expected-rate", type=int, default=8000, help="heartbeats a second to sign beforehand, at most"
     )
@@ -645,6 +647,8 @@ def main() -> None:
         or args.seconds <= 0
     ):
         parser.error("every number must be positive")
+    if args.refusals < 2:
+        parser.error("--refusals must be at least 2: its spread is told in percentiles")
     # An idle agent is a connection, and a file descriptor, in the server and in the load: both inherit this.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
