@@ -99,6 +99,21 @@ class MachineNotFound(ProviderError):
         self.provider_id = provider_id
 
 
+class NotDoneYet(ProviderError):
+    """The provider is still at what it was asked (a deploy, a disk cleaning): the step's back-off asks again later.
+
+    Not retried at once: the activity ends, and the workflow's back-off, not a tight retry, paces the asking.
+    """
+
+    retryable = False
+
+
+class MaintenanceHold(ProviderError):
+    """The provider holds the machine in its own maintenance: nothing Shepherd retries soon can change that."""
+
+    retryable = False
+
+
 class CapacityConflict(ProviderError):
     """The capacity slot was taken by a different creation request."""
 

@@ -48,7 +48,7 @@ _SHORT_STEP_HISTORY = "failing-step-continues-as-new"
 # history of a few hundred events.
 STEP_ATTEMPTS_PER_RUN = 50
 # Failures a retry soon cannot mend: the step waits its longest back-off, or an operator's retry_now.
-_WAITS_FOR_AN_OPERATOR = frozenset({"MACHINE_UNSUPPORTED"})
+_WAITS_FOR_AN_OPERATOR = frozenset({"MACHINE_UNSUPPORTED", "MaintenanceHold"})
 
 
 class DecommissionNow(Exception):
@@ -119,8 +119,9 @@ class MachineRun:
                 status.last_error = describe_failure(error)
                 delay = backoff.delay(status.attempts)
                 if failure_type(error) in _WAITS_FOR_AN_OPERATOR:
-                    # No retry soon can change the machine's architecture: try again after the longest back-off,
-                    # or at once on retry_now (an agent for it configured, the machine replaced).
+                    # No retry soon can change the machine's architecture or lift the provider's maintenance: try
+                    # again after the longest back-off, or at once on retry_now (an agent for it configured, the
+                    # machine replaced, the maintenance lifted).
                     delay = backoff.maximum
                 status.next_attempt_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
                 self._show_details()
