@@ -8,7 +8,7 @@ A third party ships a provider as a package that declares such an entry point.
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from foundation.provider_instances import ProviderInstance
 from foundation.setting_values import SettingsError, parse_duration
@@ -20,9 +20,9 @@ ENTRY_POINT_GROUP = "shepherd.providers"
 ProviderFactory = Callable[[ProviderInstance, Settings], Provider]
 
 
-def provider_types() -> dict[str, ProviderFactory]:
-    """Every installed provider type by name."""
-    return {point.name: point.load() for point in entry_points(group=ENTRY_POINT_GROUP)}
+def provider_types() -> dict[str, EntryPoint]:
+    """Every installed provider type by name, not loaded: a type is imported only when an instance uses it."""
+    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def open_providers(settings: Settings) -> dict[str, Provider]:
@@ -32,17 +32,26 @@ def open_providers(settings: Settings) -> dict[str, Provider]:
 
 
 def open_provider(
-    instance: ProviderInstance, settings: Settings, types: dict[str, ProviderFactory] | None = None
+    instance: ProviderInstance, settings: Settings, types: dict[str, EntryPoint] | None = None
 ) -> Provider:
-    """A client of one provider instance; SettingsError when no installed type provides it or an option is wrong."""
+    """A client of one provider instance; SettingsError when no installed type provides it, it cannot be loaded (a
+    missing extra), or an option is wrong."""
     types = provider_types() if types is None else types
-    factory = types.get(instance.type)
-    if factory is None:
+    point = types.get(instance.type)
+    if point is None:
         raise SettingsError(
             "providers",
             f"instance {instance.name!r} has type {instance.type!r}, which no installed package provides "
             f"(installed: {', '.join(sorted(types)) or 'none'}; entry point group {ENTRY_POINT_GROUP})",
         )
+    try:
+        factory: ProviderFactory = point.load()
+    except ImportError as error:
+        # One broken plugin must not stop the instances of the others: only its own instances fail, by name.
+        raise SettingsError(
+            "providers",
+            f"instance {instance.name!r}: provider type {instance.type!r} ({point.value}) cannot be loaded: {error}",
+        ) from None
     return factory(instance, settings)
 
 

@@ -11,7 +11,7 @@ from foundation.provider_instances import ProviderInstance
 from foundation.setting_values import SettingsError
 from foundation.settings import Settings
 from foundation.settings_report import effective_settings
-from providers.registry import open_providers, provider_types
+from providers.registry import open_provider, open_providers, provider_types
 from providers.sim import SimProvider
 from providers.static import StaticProvider
 
@@ -107,3 +107,21 @@ def test_a_provider_instance_the_type_cannot_run_is_refused_naming_it(instance, 
     with pytest.raises(SettingsError) as raised:
         open_providers(Settings(providers=(instance,)))
     assert problem in str(raised.value) and instance.name in str(raised.value)
+
+
+def test_a_plugin_that_cannot_be_loaded_fails_only_its_own_instances(tmp_path, monkeypatch):
+    # A package that declares a provider type whose module is not installed: a half-removed plugin, a missing extra.
+    dist = tmp_path / "broken_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[shepherd.providers]\nbroken = no_such_module_here:from_settings\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "broken" in provider_types()
+
+    sim = ProviderInstance("sim", "sim", {})
+    assert open_provider(sim, Settings()).name == "sim", "the other types load as ever"
+    with pytest.raises(SettingsError) as raised:
+        open_provider(ProviderInstance("rack9", "broken", {}), Settings())
+    assert "instance 'rack9': provider type 'broken' (no_such_module_here:from_settings) cannot be loaded" in str(
+        raised.value
+    )
