@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class Availability(enum.StrEnum):
@@ -47,6 +47,14 @@ class Rebooted:
     # The provider saw the machine go down (its power read back off, or its API says it is booting), so SSH that
     # answers afterwards is the new boot. False: Shepherd first waits for SSH to go away, then to answer again.
     went_down: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Reimaged:
+    """What a provider did to reimage a machine: a fresh OS on its disk, with Shepherd's key, on its way up."""
+
+    # The provider's own words: what it did, and what it is doing still (Ironic's rebuild runs on after the call).
     detail: str = ""
 
 
@@ -165,4 +173,18 @@ class Provider(Protocol):
 
     async def close(self) -> None:
         """Release connections."""
+        ...
+
+
+@runtime_checkable
+class Reimager(Protocol):
+    """A provider that can reimage a machine, an optional capability: the recovery past the budget reimages a
+    machine once before it quarantines it, and an operator may ask for one."""
+
+    async def reimage_machine(self, provider_id: str, ssh_public_key: str) -> Reimaged:
+        """Put a fresh OS on the machine, ssh_public_key (OpenSSH format) installed for the SSH user, and start it.
+
+        Returns once the provider has taken the job on; the machine answers SSH, with a new host key, when its
+        new OS is up. Repeating the call while that reimage is under way starts no second one.
+        """
         ...
