@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -21,7 +20,16 @@ from sushy import auth as sushy_auth
 from sushy import exceptions as sushy_exc
 from sushy.resources.constants import PowerState, ResetType
 
-from providers import ProviderError, ProviderProtocolError, ProviderUnavailable
+from providers import ProviderError, ProviderProtocolError
+from providers.power import (
+    BmcCredentialsRejected,
+    BmcUnavailable,
+    PowerOffNotConfirmed,
+    PowerReport,
+    PowerTimeouts,
+    RebootNotConfirmed,
+    bmc_lock,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -47,57 +55,10 @@ class RedfishEndpoint:
     verify: bool | str = True  # True, False, or a CA file path (sushy's verify)
 
 
-@dataclass(frozen=True)
-class RedfishTimeouts:
-    """How long to wait for the BMC and for the machine, in seconds."""
-
-    connect: float = 5.0  # TCP connect to the BMC
-    read: float = 30.0  # one HTTP answer
-    graceful: float = 120.0  # how long the OS may take to shut down gracefully before the power is forced off
-    power_back: float = 120.0  # how long a forced change (ForceOff, On) may take to show in PowerState
-    poll: float = 2.0  # between PowerState reads
-
-
-@dataclass(frozen=True)
-class PowerReport:
-    """What a probe or a reboot saw: the system's path, its power state, what was done."""
-
-    system: str
-    power_state: str
-    detail: str = ""
-
-
-class BmcUnavailable(ProviderUnavailable):
-    """The BMC did not answer, timed out, or answered with a server error or that it is busy."""
-
-
-class BmcCredentialsRejected(ProviderError):
-    """The BMC refused the username and password; trying again will not change its mind."""
-
-    retryable = False
-
-
 class BmcSystemUnknown(ProviderError):
     """The BMC has no such system, or several and the endpoint does not say which one is the machine."""
 
     retryable = False
-
-
-class RebootNotConfirmed(ProviderError):
-    """The BMC took the reset, but the machine did not go off and come back on in time."""
-
-
-class PowerOffNotConfirmed(ProviderError):
-    """The BMC took the shutdown, but the machine did not show Off in time."""
-
-
-# asyncio locks belong to one event loop once contended, so each loop gets its own set.
-_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = weakref.WeakKeyDictionary()
-
-
-def _bmc_lock(url: str) -> asyncio.Lock:
-    per_loop = _locks.setdefault(asyncio.get_running_loop(), {})
-    return per_loop.setdefault(url.rstrip("/").lower(), asyncio.Lock())
 
 
 def _state_name(state: PowerState | None) -> str:
@@ -107,7 +68,7 @@ def _state_name(state: PowerState | None) -> str:
 class RedfishPowerControl:
     """Probes and reboots one machine through its BMC's Redfish API."""
 
-    def __init__(self, provider: str, endpoint: RedfishEndpoint, timeouts: RedfishTimeouts = RedfishTimeouts()) -> None:
+    def __init__(self, provider: str, endpoint: RedfishEndpoint, timeouts: PowerTimeouts = PowerTimeouts()) -> None:
         self._provider = provider
         self._endpoint = endpoint
         self._timeouts = timeouts
@@ -288,7 +249,7 @@ class RedfishPowerControl:
     async def _session(self) -> AsyncIterator[Any]:
         """A logged-in sushy root of the BMC, held alone among this process's uses of the BMC."""
         endpoint = self._endpoint
-        async with _bmc_lock(endpoint.url):
+        async with bmc_lock(endpoint.url):
             auth = sushy_auth.SessionOrBasicAuth(username=endpoint.username, password=endpoint.password)
             try:
                 yield await self._call(

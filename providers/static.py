@@ -3,7 +3,7 @@
 Nothing is created or destroyed here: the operator racks the machines, installs
 Shepherd's key in authorized_keys and lists them in a TOML inventory. Shepherd
 reads the file on every call, so edits take effect on the next pass, and reboots
-a machine through its BMC (Redfish) when the inventory names one.
+a machine through its BMC (Redfish or IPMI) when the inventory names one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from foundation.setting_values import SettingsError
 from foundation.settings import Settings
 from providers import MachineNotFound, ProviderError, ProviderMachine, Rebooted, RetireAction, Retired
 from providers.inventory import INVENTORY_ID, InventoryMachine, load_inventory, password_file_refusal
-from providers.redfish import PowerReport, RedfishEndpoint, RedfishPowerControl, RedfishTimeouts
+from providers.inventory_bmc import BmcEndpoint
+from providers.ipmi import IpmiEndpoint, IpmiPowerControl
+from providers.power import PowerReport, PowerTimeouts
+from providers.redfish import RedfishPowerControl
 from providers.registry import duration_option, unknown_options
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,13 @@ class PowerControl(Protocol):
         ...
 
 
+def power_control(provider: str, endpoint: BmcEndpoint, timeouts: PowerTimeouts = PowerTimeouts()) -> PowerControl:
+    """The power control of the BMC's type: IPMI for an IPMI endpoint, Redfish for a Redfish one."""
+    if isinstance(endpoint, IpmiEndpoint):
+        return IpmiPowerControl(provider, endpoint, timeouts)
+    return RedfishPowerControl(provider, endpoint, timeouts)
+
+
 class StaticProvider:
     """The Provider of machines listed in an inventory file, rebooted through their BMCs."""
 
@@ -55,11 +65,15 @@ class StaticProvider:
         name: str,
         inventory: Path,
         *,
-        power: Callable[[str, RedfishEndpoint], PowerControl] | None = None,
+        timeouts: PowerTimeouts = PowerTimeouts(),
+        power: Callable[[str, BmcEndpoint], PowerControl] | None = None,
     ) -> None:
         self._name = name
         self.inventory = inventory
-        self._power: Callable[[str, RedfishEndpoint], PowerControl] = power or RedfishPowerControl
+        # power stands in for the BMC's own power control, chosen by its type, in the tests.
+        self._power: Callable[[str, BmcEndpoint], PowerControl] = power or (
+            lambda provider, endpoint: power_control(provider, endpoint, timeouts)
+        )
         self._parsed: tuple[tuple[int, int, int, int], dict[str, InventoryMachine]] | None = None
 
     @property
@@ -160,20 +174,20 @@ class StaticProvider:
 
 def from_settings(instance: ProviderInstance, settings: Settings) -> StaticProvider:
     """The shepherd.providers entry point. Options: inventory (the file; required), graceful_timeout (how long the
-    OS may take to shut down before the power is forced off) and power_back_timeout (how long ForceOff or On may
-    take to show), as seconds or durations."""
+    OS may take to shut down before the power is forced off) and power_back_timeout (how long a forced off or an on
+    may take to show), as seconds or durations."""
     unknown_options(instance, ("inventory", "graceful_timeout", "power_back_timeout"))
     inventory = instance.options.get("inventory")
     if not isinstance(inventory, str) or not inventory:
         raise SettingsError("providers", f"instance {instance.name!r}: inventory must name the inventory file")
-    defaults = RedfishTimeouts()
-    timeouts = RedfishTimeouts(
+    defaults = PowerTimeouts()
+    timeouts = PowerTimeouts(
         connect=settings.provider_timeout,
         read=max(settings.provider_timeout, defaults.read),
         graceful=duration_option(instance, "graceful_timeout", defaults.graceful),
         power_back=duration_option(instance, "power_back_timeout", defaults.power_back),
     )
-    # The longest reboot: the graceful shutdown ignored, then ForceOff and On each taking their longest.
+    # The longest reboot: the graceful shutdown ignored, then the forced off and the on each taking their longest.
     longest = timeouts.graceful + 2 * timeouts.power_back
     if longest >= settings.reboot_timeout:
         raise SettingsError(
@@ -181,6 +195,4 @@ def from_settings(instance: ProviderInstance, settings: Settings) -> StaticProvi
             f"must exceed instance {instance.name!r}'s graceful_timeout + 2 x power_back_timeout "
             f"({longest:g}s), got {settings.reboot_timeout:g}s",
         )
-    return StaticProvider(
-        instance.name, Path(inventory), power=lambda name, endpoint: RedfishPowerControl(name, endpoint, timeouts)
-    )
+    return StaticProvider(instance.name, Path(inventory), timeouts=timeouts)

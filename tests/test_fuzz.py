@@ -165,9 +165,12 @@ def test_any_settings_file_gives_settings_or_a_settings_error(scratch, document)
         assert str(error).startswith("setting ")
 
 
-INVENTORY_KEYS = st.sampled_from(["id", "ssh", "user", "bmc", "type", "url", "username", "password_file", "x"])
+INVENTORY_KEYS = st.sampled_from(
+    ["id", "ssh", "user", "bmc", "type", "url", "host", "port", "username", "password_file", "x"]
+)
 INVENTORY_VALUES = st.one_of(
-    TOML_VALUES, st.sampled_from(['"rack1-node01"', '"10.0.0.1:22"', '"[::1]:2222"', '"redfish"', '"http://b"'])
+    TOML_VALUES,
+    st.sampled_from(['"rack1-node01"', '"10.0.0.1:22"', '"[::1]:2222"', '"redfish"', '"ipmi"', '"http://b"', "623"]),
 )
 
 

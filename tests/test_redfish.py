@@ -17,21 +17,14 @@ from sushy.resources.constants import ResetType
 from sushy.resources.system.system import System
 
 from providers import ProviderError
-from providers.redfish import (
-    BmcCredentialsRejected,
-    BmcSystemUnknown,
-    BmcUnavailable,
-    RebootNotConfirmed,
-    RedfishEndpoint,
-    RedfishPowerControl,
-    RedfishTimeouts,
-)
+from providers.power import BmcCredentialsRejected, BmcUnavailable, PowerTimeouts, RebootNotConfirmed
+from providers.redfish import BmcSystemUnknown, RedfishEndpoint, RedfishPowerControl
 from tests.bmc_fixtures import Bmc, bmc_fixture, power_state, single_bmc_fixture  # noqa: F401
 from tests.sshd_fixtures import free_port
 
 MACHINE = "rack1-node7"
 # The emulator brings a machine back 1 to 11 s after a reset; power_back leaves room for that.
-FAST = RedfishTimeouts(connect=1.0, read=5.0, graceful=15.0, power_back=30.0, poll=0.1)
+FAST = PowerTimeouts(connect=1.0, read=5.0, graceful=15.0, power_back=30.0, poll=0.1)
 
 
 def control(
@@ -40,7 +33,7 @@ def control(
     *,
     password: str | None = None,
     url: str | None = None,
-    timeouts: RedfishTimeouts = FAST,
+    timeouts: PowerTimeouts = FAST,
 ) -> RedfishPowerControl:
     endpoint = RedfishEndpoint(
         machine=MACHINE,
@@ -100,7 +93,7 @@ async def test_ignored_graceful_shutdown_is_forced_off(bmc: Bmc, monkeypatch: py
             reset_system(self, value)
 
     monkeypatch.setattr(System, "reset_system", ignoring_graceful)
-    timeouts = RedfishTimeouts(connect=1.0, read=5.0, graceful=0.5, power_back=30.0, poll=0.1)
+    timeouts = PowerTimeouts(connect=1.0, read=5.0, graceful=0.5, power_back=30.0, poll=0.1)
     report = await control(bmc, bmc.systems["escalate"], timeouts=timeouts).reboot()
     assert report.detail.startswith("GracefulShutdown; ForceOff after")
     assert power_state(bmc, "escalate") == "On"
@@ -147,7 +140,7 @@ async def test_bmc_down_is_retryable_and_fails_fast(bmc: Bmc) -> None:
 
 
 async def test_bmc_that_never_answers_times_out_retryable(bmc: Bmc, silent_bmc: str) -> None:
-    timeouts = RedfishTimeouts(connect=1.0, read=0.5, graceful=1.0, power_back=1.0, poll=0.1)
+    timeouts = PowerTimeouts(connect=1.0, read=0.5, graceful=1.0, power_back=1.0, poll=0.1)
     started = time.monotonic()
     with pytest.raises(BmcUnavailable) as raised:
         await control(bmc, None, url=silent_bmc, timeouts=timeouts).probe()
@@ -172,7 +165,7 @@ async def test_several_systems_and_none_configured_lists_them(bmc: Bmc) -> None:
 
 
 async def test_machine_that_stays_off_fails_retryable(bmc: Bmc) -> None:
-    timeouts = RedfishTimeouts(connect=1.0, read=5.0, graceful=15.0, power_back=0.3, poll=0.1)
+    timeouts = PowerTimeouts(connect=1.0, read=5.0, graceful=15.0, power_back=0.3, poll=0.1)
     # The emulator's delay is random and, rarely, shorter than power_back: then the reboot succeeds; try again.
     for _ in range(3):
         try:

@@ -1,4 +1,5 @@
-"""The static provider: its inventory's checks, re-reading it, BMC passwords, and reboots through a fake BMC."""
+"""The static provider: its inventory's checks (Redfish and IPMI BMCs), re-reading it, BMC passwords, and reboots
+through a fake BMC."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import pytest
 
 from providers import Availability, MachineNotFound, ProviderMachine, RetireAction
 from providers.inventory import InventoryError, load_inventory
-from providers.redfish import PowerReport
-from providers.static import NoBMC, StaticProvider
+from providers.inventory_bmc import IpmiBMC, RedfishBMC
+from providers.ipmi import IpmiEndpoint, IpmiPowerControl
+from providers.power import PowerReport
+from providers.redfish import RedfishEndpoint, RedfishPowerControl
+from providers.static import NoBMC, StaticProvider, power_control
 
 SECRET = "pa55-word-in-file"
 
@@ -47,6 +51,7 @@ ssh = "[::1]"
 FIRST = '[[machines]]\nid = "good"\nssh = "10.0.0.1"\n\n'
 AT = " line 5 machine 'rack1-node02'"
 BMC = '[machines.bmc]\ntype = "redfish"\nurl = "https://bmc"\nusername = "admin"\n'
+IPMI = '[machines.bmc]\ntype = "ipmi"\nhost = "10.0.1.12"\nusername = "admin"\npassword_env = "P"\n'
 
 
 def machine(body: str, bmc: str = "") -> str:
@@ -60,7 +65,16 @@ BAD = {
     "machines a table": ("", '[machines]\nid = "a"\n', ["'machines' must be a list"]),
     "unknown top-level key": ("", '[[machine]]\nid = "a"\n', ["unknown top-level key(s) 'machine'"]),
     "unknown machine key": (AT, machine('ssh = "h"\nsshh = "h2"'), ["unknown key(s) 'sshh'"]),
-    "unknown bmc key": (AT, machine('ssh = "h"', BMC + 'password_env = "P"\nport = 443\n'), ["'bmc.port'"]),
+    "unknown bmc key": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "P"\nsystme = "/x"\n'),
+        ["unknown key(s) 'bmc.systme'", "known: bmc.type, bmc.url, bmc.system"],
+    ),
+    "unknown ipmi bmc key": (
+        AT,
+        machine('ssh = "h"', IPMI + "kg = 1\n"),
+        ["unknown key(s) 'bmc.kg'", "known: bmc.type, bmc.host, bmc.port, bmc.username"],
+    ),
     "inline password": (
         AT,
         machine('ssh = "h"', BMC + f'password = "{SECRET}"\n'),
@@ -89,8 +103,67 @@ BAD = {
     "bmc not a table": (AT, machine('ssh = "h"\nbmc = "redfish"'), ["bmc must be a [machines.bmc] table"]),
     "bmc type": (
         AT,
-        machine('ssh = "h"', BMC.replace("redfish", "ipmi") + 'password_env = "P"\n'),
-        ["bmc.type must be 'redfish'", "'ipmi'"],
+        machine('ssh = "h"', BMC.replace("redfish", "idrac") + 'password_env = "P"\n'),
+        ["bmc.type must be 'redfish' or 'ipmi'", "'idrac'"],
+    ),
+    "bmc type not a string": (
+        AT,
+        machine('ssh = "h"', BMC.replace('"redfish"', "[1]") + 'password_env = "P"\n'),
+        ["bmc.type must be 'redfish' or 'ipmi'", "[1]"],
+    ),
+    "ipmi bmc with url": (
+        AT,
+        machine('ssh = "h"', IPMI + 'url = "https://bmc"\n'),
+        ["'bmc.url' is for a bmc of type = 'redfish'; type = 'ipmi' takes host, port"],
+    ),
+    "ipmi bmc with redfish keys": (
+        AT,
+        machine('ssh = "h"', IPMI + 'system = "/redfish/v1/Systems/1"\nca_file = "ca.pem"\nverify_tls = false\n'),
+        ["'bmc.ca_file', 'bmc.system', 'bmc.verify_tls' is for a bmc of type = 'redfish'"],
+    ),
+    "redfish bmc with host": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "P"\nhost = "10.0.1.11"\n'),
+        ["'bmc.host' is for a bmc of type = 'ipmi'; type = 'redfish' takes url, system, ca_file, verify_tls"],
+    ),
+    "ipmi inline password": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('password_env = "P"', f'password = "{SECRET}"')),
+        ["bmc.password: never inline: use password_file or password_env"],
+    ),
+    "ipmi missing host": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('host = "10.0.1.12"\n', "")),
+        ["missing bmc.host"],
+    ),
+    "ipmi host with port": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('"10.0.1.12"', '"10.0.1.12:623"')),
+        ["bmc.host must be a host name or an IP address, got '10.0.1.12:623'; the port goes in bmc.port"],
+    ),
+    "ipmi host not a host": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('"10.0.1.12"', '"bmc one"')),
+        ["bmc.host must be a host name or an IP address, got 'bmc one'"],
+    ),
+    "ipmi host a url": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('"10.0.1.12"', '"https://bmc"')),
+        ["bmc.host must be a host name or an IP address"],
+    ),
+    "ipmi port zero": (AT, machine('ssh = "h"', IPMI + "port = 0\n"), ["bmc.port must be 1-65535, got 0"]),
+    "ipmi port too big": (AT, machine('ssh = "h"', IPMI + "port = 65536\n"), ["bmc.port must be 1-65535"]),
+    "ipmi port a string": (AT, machine('ssh = "h"', IPMI + 'port = "623"\n'), ["bmc.port must be 1-65535, got '623'"]),
+    "ipmi port a bool": (AT, machine('ssh = "h"', IPMI + "port = true\n"), ["bmc.port must be 1-65535, got True"]),
+    "ipmi username too long": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('"admin"', '"a-seventeen-chars"')),
+        ["bmc.username of an IPMI BMC is at most 16 bytes"],
+    ),
+    "ipmi no password": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('password_env = "P"\n', "")),
+        ["exactly one of password_file and password_env"],
     ),
     "bmc url scheme": (
         AT,
@@ -192,7 +265,7 @@ def test_good_inventory(tmp_path: Path) -> None:
         ("v6-default-port", "::1", 22, None, 24),
     ]
     bmc = machines[0].bmc
-    assert bmc is not None and all(m.bmc is None for m in machines[1:])
+    assert isinstance(bmc, RedfishBMC) and all(m.bmc is None for m in machines[1:])
     # Relative paths are the inventory's folder's; the trailing slash of the URL goes.
     assert (bmc.url, bmc.system, bmc.username) == ("https://10.0.1.11", "/redfish/v1/Systems/1", "admin")
     assert (bmc.password_file, bmc.ca_file, bmc.verify_tls) == (
@@ -201,6 +274,57 @@ def test_good_inventory(tmp_path: Path) -> None:
         True,
     )
     assert load_inventory(write(tmp_path / "empty.toml", "")) == []
+
+
+IPMI_MACHINES = """
+[[machines]]
+id = "ipmi-by-name"
+ssh = "10.0.0.31"
+[machines.bmc]
+type = "ipmi"
+host = "bmc-31.rack3.example.net"
+username = "ADMIN"
+password_env = "SHEPHERD_TEST_IPMI"
+
+[[machines]]
+id = "ipmi-v4-port"
+ssh = "10.0.0.32"
+[machines.bmc]
+type = "ipmi"
+host = "10.0.1.32"
+port = 6230
+username = "ADMIN"
+password_file = "bmc/ipmi"
+
+[[machines]]
+id = "ipmi-v6"
+ssh = "[fd00::33]"
+[machines.bmc]
+type = "ipmi"
+host = "fd00:1::33"
+username = "ADMIN"
+password_env = "SHEPHERD_TEST_IPMI"
+"""
+
+
+def test_ipmi_bmcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bmc").mkdir()
+    write(tmp_path / "bmc" / "ipmi", SECRET + "\n").chmod(0o600)
+    by_name, v4, v6 = load_inventory(write(tmp_path / "inventory.toml", IPMI_MACHINES))
+    assert isinstance(by_name.bmc, IpmiBMC) and isinstance(v4.bmc, IpmiBMC) and isinstance(v6.bmc, IpmiBMC)
+    assert (by_name.bmc.type, by_name.bmc.host, by_name.bmc.port) == ("ipmi", "bmc-31.rack3.example.net", 623)
+    assert (v4.bmc.host, v4.bmc.port, v4.bmc.password_file) == ("10.0.1.32", 6230, tmp_path / "bmc" / "ipmi")
+    assert (v6.bmc.host, v6.bmc.port) == ("fd00:1::33", 623)
+
+    monkeypatch.setenv("SHEPHERD_TEST_IPMI", SECRET)
+    endpoint = v6.bmc.endpoint(v6.id, "rack")
+    assert endpoint == IpmiEndpoint(machine="ipmi-v6", host="fd00:1::33", username="ADMIN", password=SECRET, port=623)
+    assert endpoint.address == "[fd00:1::33]:623" and SECRET not in repr(endpoint)
+    assert v4.bmc.endpoint(v4.id).password == SECRET
+    # Its password file is checked on every pass, as a Redfish BMC's.
+    (tmp_path / "bmc" / "ipmi").chmod(0o640)
+    with pytest.raises(InventoryError, match=r"line 11 machine 'ipmi-v4-port': BMC password file .* is readable"):
+        load_inventory(tmp_path / "inventory.toml")
 
 
 async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
@@ -316,6 +440,31 @@ async def test_reboot_goes_through_the_bmc_once(tmp_path: Path, caplog: pytest.L
     assert SECRET not in repr(endpoint)
     assert any("rack1-node01" in r.getMessage() and "fake: power cycled" in r.getMessage() for r in caplog.records)
     assert all(SECRET not in r.getMessage() for r in caplog.records)
+
+
+async def test_reboot_through_an_ipmi_bmc_gets_its_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHEPHERD_TEST_IPMI", SECRET)
+    (tmp_path / "bmc").mkdir()
+    write(tmp_path / "bmc" / "ipmi", SECRET).chmod(0o600)
+    calls: list = []
+    provider = StaticProvider(
+        "rack", write(tmp_path / "inventory.toml", IPMI_MACHINES), power=FakePowerControl.factory(calls)
+    )
+    rebooted = await provider.reboot_machine("ipmi-by-name")
+    assert rebooted.went_down
+    [(call, name, endpoint)] = calls
+    assert (call, name, endpoint) == (
+        "reboot",
+        "rack",
+        IpmiEndpoint(machine="ipmi-by-name", host="bmc-31.rack3.example.net", username="ADMIN", password=SECRET),
+    )
+
+
+def test_the_power_control_is_chosen_by_the_bmc_type() -> None:
+    ipmi = IpmiEndpoint(machine="m", host="10.0.1.12", username="ADMIN", password=SECRET)
+    redfish = RedfishEndpoint(machine="m", url="https://10.0.1.11", username="admin", password=SECRET)
+    assert isinstance(power_control("rack", ipmi), IpmiPowerControl)
+    assert isinstance(power_control("rack", redfish), RedfishPowerControl)
 
 
 async def test_reboot_without_bmc_is_for_a_person(tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 
 Every machine is probed at once: an SSH login as Shepherd (the host key's
 fingerprint is shown, nothing is run) and, where the inventory names a BMC, a
-Redfish login that finds the system and reads its power state. One line a
-machine; the exit code is 0 only when every probe passed.
+login to it (Redfish: one that finds the system; IPMI) that reads the power
+state. One line a machine; the exit code is 0 only when every probe passed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from lifecycle.takeover import probe_ssh
 from lifecycle.takeover_failures import TakeoverError, TakeoverTarget
 from providers import ProviderError
 from providers.inventory import InventoryMachine, load_inventory
-from providers.redfish import RedfishPowerControl, RedfishTimeouts
+from providers.power import PowerTimeouts
+from providers.static import power_control
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, show
 
 
@@ -66,8 +67,8 @@ async def _check_bmc(machine: InventoryMachine, settings: Settings, provider: st
         return "no BMC: Shepherd cannot reboot it", True
     try:
         endpoint = machine.bmc.endpoint(machine.id, provider)
-        timeouts = RedfishTimeouts(connect=settings.provider_timeout, read=settings.provider_timeout)
-        report = await RedfishPowerControl(provider, endpoint, timeouts).probe()
+        timeouts = PowerTimeouts(connect=settings.provider_timeout, read=settings.provider_timeout)
+        report = await power_control(provider, endpoint, timeouts).probe()
     except ProviderError as error:
         return f"bmc {error}", False
     return f"bmc ok, {report.system} {report.power_state}", True

@@ -1,0 +1,259 @@
+"""A machine's [machines.bmc] table in the static inventory: its BMC, Redfish or IPMI, each key checked.
+
+The password stays in a file only its owner reads, or in a variable, until the BMC is used: each pass checks the
+file's metadata, and a reboot reads it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+from providers import ProviderError
+from providers.ipmi import DEFAULT_PORT, IpmiEndpoint
+from providers.redfish import RedfishEndpoint
+
+HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LOGIN_KEYS = ("username", "password_file", "password_env")
+# The keys of a [machines.bmc] table by its type; a key of the other type is refused by name.
+_BMC_KEYS = {
+    "redfish": ("type", "url", "system", *_LOGIN_KEYS, "ca_file", "verify_tls"),
+    "ipmi": ("type", "host", "port", *_LOGIN_KEYS),
+}
+# An IPMI user name is at most 16 bytes (the RAKP messages of an IPMI 2.0 login).
+_IPMI_USER_BYTES = 16
+
+
+class InventoryError(ProviderError):
+    """The inventory (or a password it points to) is wrong; the operator must fix it, the next pass re-reads it."""
+
+    retryable = False
+
+
+class Refusal(Exception):
+    """A problem of one table of the inventory, before the file, line and id are added to it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _BmcLogin:
+    """Who logs in to a BMC; the password stays in its file or variable until the BMC is used."""
+
+    username: str
+    password_file: Path | None = None
+    password_env: str | None = None
+
+    def _password(self, machine: str, provider: str) -> str:
+        """The BMC password, read now from its variable or file; InventoryError when it cannot serve."""
+        if self.password_env is not None:
+            where = f"machine {machine!r}: BMC password variable {self.password_env}"
+            password = os.environ.get(self.password_env)
+            if password is None:
+                raise InventoryError(provider, f"{where} is not set")
+        else:
+            assert self.password_file is not None  # load_inventory demands one of the two
+            where = f"machine {machine!r}: BMC password file {self.password_file}"
+            password = _read_secret(self.password_file, where, provider)
+        if not password:
+            raise InventoryError(provider, f"{where} is empty")
+        return password
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedfishBMC(_BmcLogin):
+    """How to reach a machine's Redfish BMC."""
+
+    type: ClassVar[str] = "redfish"
+    url: str
+    system: str | None = None
+    ca_file: Path | None = None
+    verify_tls: bool = True
+
+    def endpoint(self, machine: str, provider: str = "static") -> RedfishEndpoint:
+        """The BMC endpoint with the password read now; InventoryError when it cannot be read."""
+        return RedfishEndpoint(
+            machine=machine,
+            url=self.url,
+            username=self.username,
+            password=self._password(machine, provider),
+            system=self.system,
+            verify=str(self.ca_file) if self.ca_file is not None else self.verify_tls,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class IpmiBMC(_BmcLogin):
+    """How to reach a machine's IPMI BMC."""
+
+    type: ClassVar[str] = "ipmi"
+    host: str
+    port: int = DEFAULT_PORT
+
+    def endpoint(self, machine: str, provider: str = "static") -> IpmiEndpoint:
+        """The BMC endpoint with the password read now; InventoryError when it cannot be read."""
+        return IpmiEndpoint(
+            machine=machine,
+            host=self.host,
+            port=self.port,
+            username=self.username,
+            password=self._password(machine, provider),
+        )
+
+
+# A machine's BMC as the inventory gives it, and what reaching it takes once its password is read.
+BMCConfig = RedfishBMC | IpmiBMC
+BmcEndpoint = RedfishEndpoint | IpmiEndpoint
+
+
+def password_file_problem(path: Path) -> str | None:
+    """Why the password file cannot serve, seen from its metadata alone (every pass checks; only a reboot reads it)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        return f"cannot be read: {error.strerror or type(error).__name__}"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    if mode & 0o077:
+        return f"is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
+    return None
+
+
+def _read_secret(path: Path, where: str, provider: str) -> str:
+    """The text of a password file that only its owner can read, without its trailing newline."""
+    try:
+        # fstat of the opened file, not stat of the path: the mode checked is the mode of what is read.
+        with path.open("rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise InventoryError(provider, f"{where} is not a regular file")
+            if mode & 0o077:
+                raise InventoryError(
+                    provider,
+                    f"{where} is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}",
+                )
+            data = file.read()
+    except OSError as error:
+        raise InventoryError(provider, f"{where} cannot be read: {error.strerror or type(error).__name__}") from None
+    try:
+        return data.decode().rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise InventoryError(provider, f"{where} is not UTF-8 text") from None
+
+
+def known_keys(table: dict[str, Any], known: tuple[str, ...], prefix: str) -> None:
+    """Refusal for a key the table does not know."""
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        names = ", ".join(repr(prefix + key) for key in unknown)
+        raise Refusal(f"unknown key(s) {names} (known: {', '.join(prefix + key for key in known)})")
+
+
+def bmc_config(table: dict[str, Any], base: Path) -> BMCConfig:
+    """One [machines.bmc] table, checked; relative paths are relative to the inventory's folder."""
+    if "password" in table:
+        raise Refusal("bmc.password: never inline: use password_file or password_env")
+    kind = table.get("type")
+    if not isinstance(kind, str) or kind not in _BMC_KEYS:
+        raise Refusal(f"bmc.type must be 'redfish' or 'ipmi', got {kind!r}")
+    own = _BMC_KEYS[kind]
+    for other, keys in _BMC_KEYS.items():
+        foreign = sorted(set(table) & (set(keys) - set(own)))
+        if foreign:
+            names = ", ".join(repr(f"bmc.{key}") for key in foreign)
+            takes = ", ".join(key for key in own if key not in ("type", *_LOGIN_KEYS))
+            raise Refusal(f"{names} is for a bmc of type = {other!r}; type = {kind!r} takes {takes}")
+    known_keys(table, own, "bmc.")
+    login = _bmc_login(table, base)
+    return _redfish_bmc(table, base, login) if kind == "redfish" else _ipmi_bmc(table, login)
+
+
+def _bmc_login(table: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The username and the password's file or variable of a [machines.bmc] table, checked, as _BmcLogin's
+    fields."""
+    username = table.get("username")
+    if username is None:
+        raise Refusal("missing bmc.username")
+    if not isinstance(username, str) or not username:
+        raise Refusal(f"bmc.username must be a non-empty string, got {username!r}")
+    password_file, password_env = table.get("password_file"), table.get("password_env")
+    if (password_file is None) == (password_env is None):
+        raise Refusal("bmc needs exactly one of password_file and password_env")
+    if password_file is not None and (not isinstance(password_file, str) or not password_file):
+        raise Refusal(f"bmc.password_file must be a path, got {password_file!r}")
+    if password_env is not None and (not isinstance(password_env, str) or not _ENV_NAME.fullmatch(password_env)):
+        raise Refusal(f"bmc.password_env must be an environment variable name, got {password_env!r}")
+    return {
+        "username": username,
+        "password_file": base / password_file if password_file is not None else None,
+        "password_env": password_env,
+    }
+
+
+def _redfish_bmc(table: dict[str, Any], base: Path, login: dict[str, Any]) -> RedfishBMC:
+    """The Redfish keys of a [machines.bmc] table, checked."""
+    url = table.get("url")
+    if isinstance(url, str) and "@" in url:
+        # Not echoed: what precedes the @ may be a password.
+        raise Refusal("bmc.url must not carry credentials: use username and password_file or password_env")
+    bad_url = Refusal(f"bmc.url must be an http:// or https:// URL, got {url!r}")
+    if not isinstance(url, str):
+        raise bad_url
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - urlsplit checks the port only when asked for it
+    except ValueError:
+        raise bad_url from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise bad_url
+    system = table.get("system")
+    if system is not None and (not isinstance(system, str) or not system.startswith("/")):
+        raise Refusal(f"bmc.system must be a path such as /redfish/v1/Systems/1, got {system!r}")
+    ca_file = table.get("ca_file")
+    if ca_file is not None and (not isinstance(ca_file, str) or not ca_file):
+        raise Refusal(f"bmc.ca_file must be a path, got {ca_file!r}")
+    verify_tls = table.get("verify_tls", True)
+    if not isinstance(verify_tls, bool):
+        raise Refusal(f"bmc.verify_tls must be true or false, got {verify_tls!r}")
+    if not verify_tls and ca_file is not None:
+        raise Refusal("bmc: verify_tls = false and ca_file contradict each other; keep one")
+    return RedfishBMC(
+        **login,
+        url=url.rstrip("/"),
+        system=system,
+        ca_file=base / ca_file if ca_file is not None else None,
+        verify_tls=verify_tls,
+    )
+
+
+def _ipmi_bmc(table: dict[str, Any], login: dict[str, Any]) -> IpmiBMC:
+    """The IPMI keys of a [machines.bmc] table, checked."""
+    host = table.get("host")
+    if host is None:
+        raise Refusal("missing bmc.host (the BMC's host name or IP address)")
+    if not isinstance(host, str) or not (HOSTNAME.fullmatch(host) or _ip_address(host)):
+        # host:port is the likely slip of an operator used to the ssh key.
+        hint = "; the port goes in bmc.port" if isinstance(host, str) and host.count(":") == 1 else ""
+        raise Refusal(f"bmc.host must be a host name or an IP address, got {host!r}{hint}")
+    port = table.get("port", DEFAULT_PORT)
+    # bool is an int to Python, and true is no port.
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise Refusal(f"bmc.port must be 1-65535, got {port!r}")
+    username = login["username"]
+    if len(username.encode()) > _IPMI_USER_BYTES:
+        raise Refusal(f"bmc.username of an IPMI BMC is at most {_IPMI_USER_BYTES} bytes, got {username!r}")
+    return IpmiBMC(**login, host=host, port=port)
+
+
+def _ip_address(text: str) -> bool:
+    """Whether text is an IPv4 or IPv6 address."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
