@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 class SecretFileError(Exception):
-    """A password file cannot serve; str() says why, naming the file, for the caller to put in its own context."""
+    """A password file cannot serve; str() says why ("is readable by others ..."), for the caller to put after its
+    own words for the file."""
 
 
 def secret_file_problem(path: Path) -> str | None:
@@ -31,18 +32,16 @@ def read_secret_file(path: Path) -> str:
         with path.open("rb") as file:
             mode = os.fstat(file.fileno()).st_mode
             if not stat.S_ISREG(mode):
-                raise SecretFileError(f"{path} is not a regular file")
+                raise SecretFileError("is not a regular file")
             if mode & 0o077:
-                raise SecretFileError(
-                    f"{path} is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
-                )
+                raise SecretFileError(f"is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}")
             data = file.read()
     except OSError as error:
-        raise SecretFileError(f"{path} cannot be read: {error.strerror or type(error).__name__}") from None
+        raise SecretFileError(f"cannot be read: {error.strerror or type(error).__name__}") from None
     try:
         text = data.decode().rstrip("\r\n")
     except UnicodeDecodeError:
-        raise SecretFileError(f"{path} is not UTF-8 text") from None
+        raise SecretFileError("is not UTF-8 text") from None
     if not text:
-        raise SecretFileError(f"{path} is empty")
+        raise SecretFileError("is empty")
     return text

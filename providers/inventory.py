@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from foundation.secret_files import secret_file_problem
 from providers import Availability, ProviderMachine
 from providers.inventory_bmc import (
     HOSTNAME,
@@ -21,7 +22,6 @@ from providers.inventory_bmc import (
     Refusal,
     bmc_config,
     known_keys,
-    password_file_problem,
 )
 
 INVENTORY_ID = re.compile(r"[A-Za-z0-9._-]{1,63}")
@@ -36,7 +36,7 @@ def password_file_refusal(inventory: Path, provider: str, machine: InventoryMach
     """Why the machine's BMC password file cannot serve, as load_inventory words it; None when it can."""
     if machine.bmc is None or machine.bmc.password_file is None:
         return None
-    unusable = password_file_problem(machine.bmc.password_file)
+    unusable = secret_file_problem(machine.bmc.password_file)
     if unusable is None:
         return None
     return _inventory_error(

@@ -9,12 +9,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+from foundation.secret_files import SecretFileError, read_secret_file
 from providers import ProviderError
 from providers.ipmi import DEFAULT_PORT, IpmiEndpoint
 from providers.redfish import RedfishEndpoint
@@ -51,15 +51,17 @@ class _BmcLogin:
 
     def _password(self, machine: str, provider: str) -> str:
         """The BMC password, read now from its variable or file; InventoryError when it cannot serve."""
-        if self.password_env is not None:
-            where = f"machine {machine!r}: BMC password variable {self.password_env}"
-            password = os.environ.get(self.password_env)
-            if password is None:
-                raise InventoryError(provider, f"{where} is not set")
-        else:
+        if self.password_env is None:
             assert self.password_file is not None  # load_inventory demands one of the two
-            where = f"machine {machine!r}: BMC password file {self.password_file}"
-            password = _read_secret(self.password_file, where, provider)
+            try:
+                return read_secret_file(self.password_file)
+            except SecretFileError as problem:
+                where = f"machine {machine!r}: BMC password file {self.password_file}"
+                raise InventoryError(provider, f"{where} {problem}") from None
+        where = f"machine {machine!r}: BMC password variable {self.password_env}"
+        password = os.environ.get(self.password_env)
+        if password is None:
+            raise InventoryError(provider, f"{where} is not set")
         if not password:
             raise InventoryError(provider, f"{where} is empty")
         return password
@@ -109,41 +111,6 @@ class IpmiBMC(_BmcLogin):
 # A machine's BMC as the inventory gives it, and what reaching it takes once its password is read.
 BMCConfig = RedfishBMC | IpmiBMC
 BmcEndpoint = RedfishEndpoint | IpmiEndpoint
-
-
-def password_file_problem(path: Path) -> str | None:
-    """Why the password file cannot serve, seen from its metadata alone (every pass checks; only a reboot reads it)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as error:
-        return f"cannot be read: {error.strerror or type(error).__name__}"
-    if not stat.S_ISREG(mode):
-        return "is not a regular file"
-    if mode & 0o077:
-        return f"is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
-    return None
-
-
-def _read_secret(path: Path, where: str, provider: str) -> str:
-    """The text of a password file that only its owner can read, without its trailing newline."""
-    try:
-        # fstat of the opened file, not stat of the path: the mode checked is the mode of what is read.
-        with path.open("rb") as file:
-            mode = os.fstat(file.fileno()).st_mode
-            if not stat.S_ISREG(mode):
-                raise InventoryError(provider, f"{where} is not a regular file")
-            if mode & 0o077:
-                raise InventoryError(
-                    provider,
-                    f"{where} is readable by others (mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}",
-                )
-            data = file.read()
-    except OSError as error:
-        raise InventoryError(provider, f"{where} cannot be read: {error.strerror or type(error).__name__}") from None
-    try:
-        return data.decode().rstrip("\r\n")
-    except UnicodeDecodeError:
-        raise InventoryError(provider, f"{where} is not UTF-8 text") from None
 
 
 def known_keys(table: dict[str, Any], known: tuple[str, ...], prefix: str) -> None:

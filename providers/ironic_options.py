@@ -94,7 +94,7 @@ class IronicOptions:
         try:
             return read_secret_file(self.password_file)
         except SecretFileError as error:
-            raise self.error(f"password_file: {error}") from None
+            raise self.error(f"password_file {self.password_file} {error}") from None
 
     def user_data(self) -> str | None:
         """The user data for the new OS, read now; SettingsError when the file cannot be read."""
