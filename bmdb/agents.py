@@ -124,8 +124,9 @@ class AgentRecords(StoreBase):
             await conn.execute(insert(events).values(machine_id=machine_id, kind=kind, detail=detail))
             return True
 
-    async def record_reboot(self, machine_id: uuid.UUID, cycle: str, cause: str) -> bool:
-        """Record the recovery cycle's reboot and forget the machine's agent, in one transaction.
+    async def record_reboot(self, machine_id: uuid.UUID, cycle: str, cause: str, *, reimaged: bool = False) -> bool:
+        """Record the recovery cycle's reboot and forget the machine's agent, in one transaction; a reimage forgets
+        its pinned SSH host key too, since the new OS has a new one, and is logged as reimaged.
 
         False when the cycle's reboot was recorded before (a retry whose first answer was lost): nothing changes.
         """
@@ -138,7 +139,14 @@ class AgentRecords(StoreBase):
             )
             if recorded.first() is None:
                 return False
-            await _forget_rebooted_agent(conn, machine_id, cause)
+            if reimaged:
+                # The one case where Shepherd lets go of a pin by itself: the next takeover pins the new OS's key.
+                await conn.execute(
+                    update(machine_provided)
+                    .where(machine_provided.c.machine_id == machine_id)
+                    .values(ssh_host_key=None)
+                )
+            await _forget_rebooted_agent(conn, machine_id, cause, "reimaged" if reimaged else "rebooted")
             return True
 
     async def reboot_recorded(self, machine_id: uuid.UUID, cycle: str) -> bool:
@@ -150,12 +158,12 @@ class AgentRecords(StoreBase):
             return await conn.scalar(query) is not None
 
     async def recovery_counts(self, machine_id: uuid.UUID | None = None) -> dict[uuid.UUID, int]:
-        """Machine id -> how many times it was rebooted by a recovery, for machines rebooted at least once.
+        """Machine id -> how many times a recovery rebooted or reimaged it, for machines recovered at least once.
 
         Of every machine, or only of the one given.
         """
         query = select(events.c.machine_id, func.count()).where(
-            events.c.kind == "rebooted",
+            events.c.kind.in_(("rebooted", "reimaged")),
             events.c.machine_id.is_not(None) if machine_id is None else events.c.machine_id == machine_id,
         )
         async with self.engine.connect() as conn:
@@ -174,9 +182,9 @@ async def forget_agent_records(conn: Any, machine_id: uuid.UUID) -> bool:
     return forgotten.first() is not None
 
 
-async def _forget_rebooted_agent(conn: Any, machine_id: uuid.UUID, cause: str) -> None:
+async def _forget_rebooted_agent(conn: Any, machine_id: uuid.UUID, cause: str, kind: str = "rebooted") -> None:
     await forget_agent_records(conn, machine_id)
-    await conn.execute(insert(events).values(machine_id=machine_id, kind="rebooted", detail=cause))
+    await conn.execute(insert(events).values(machine_id=machine_id, kind=kind, detail=cause))
 
 
 def _agent_started(machine_id: uuid.UUID, started_at: datetime, public_key: bytes) -> Any:

@@ -140,10 +140,11 @@ class Event:
     provider_id: str | None = None
 
 
-# The events that record what an operator asked for, each naming who; and the reboots, whose detail says who
-# forced them or why the watchdog did: together they answer "who rebooted node-17 last night".
+# The events that record what an operator asked for, each naming who; and the reboots and reimages, whose detail
+# says who forced them or why the watchdog did: together they answer "who rebooted node-17 last night".
 OPERATOR_ACTION_KINDS = (
     "recovery_forced",
+    "reimage_forced",
     "retry_asked",
     "host_key_reset",
     "maintenance_on",
@@ -157,4 +158,5 @@ OPERATOR_ACTION_KINDS = (
     "fleet_resumed",
     "fleet_triggered",
     "rebooted",
+    "reimaged",
 )

@@ -69,6 +69,7 @@ class WorkerMetrics:
 
     takeovers: MetricCounter
     reboots: MetricCounter
+    reimages: MetricCounter
     machines: MetricGauge
     heartbeat_age_max: MetricGaugeFloat
     machines_silent: MetricGauge
@@ -84,6 +85,9 @@ class WorkerMetrics:
             ),
             reboots=meter.create_counter(
                 "shepherd_recovery_reboots_total", "Recovery reboots through the provider, by cause and outcome"
+            ),
+            reimages=meter.create_counter(
+                "shepherd_reimages_total", "Reimages through the provider (a fresh OS), by cause and outcome"
             ),
             machines=meter.create_gauge("shepherd_machines", "Running machine workflows, by stage"),
             heartbeat_age_max=meter.create_gauge_float(

@@ -124,6 +124,9 @@ class Settings:
     # Recovery safety: a machine that keeps dying waits for a human
     recovery_budget: int = _setting(3, "Recoveries of a machine within recovery_budget_window; one more quarantines it")
     recovery_budget_window: float = _duration(3600.0, "The window the recovery budget counts in")
+    reimage_before_quarantine: bool = _setting(
+        True, "With the budget spent, reimage a machine once through a provider that can, before a quarantine"
+    )
     # Many machines silent at once is more likely our fault than theirs
     recovery_hold_min_machines: int = _setting(
         5, "Hold every recovery of a provider when more of its machines than this are silent at once"

@@ -129,6 +129,8 @@ class RebootInput:
     cycle: str = ""
     # None from workflows older than this field.
     kind: RecoveryKind | None = None
+    # The cycle reimages the machine instead of rebooting it.
+    reimage: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,15 @@ class RebootResult:
     """What reboot_through_provider returns: whether the provider saw the machine go down, and what it did."""
 
     went_down: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class ReimageResult:
+    """What reimage_through_provider returns: whether the provider reimaged the machine, and what it said; a
+    provider without the capability reimages nothing, and the recovery goes on without it."""
+
+    reimaged: bool
     detail: str
 
 

@@ -23,6 +23,8 @@ class MachineStage(enum.StrEnum):
     AGENT_STARTING = "AGENT_STARTING"
     WATCHING = "WATCHING"
     RECOVERING = "RECOVERING"
+    # Its recovery budget spent, or an operator asked: a fresh OS through its provider, then taken over again.
+    REIMAGING = "REIMAGING"
     # Recovered more often than its budget allows: left alone until an operator releases it.
     QUARANTINED = "QUARANTINED"
     # Taken out of automation by an operator (hardware work): never rebooted or taken over until it ends.
@@ -83,10 +85,12 @@ class OperatorAction:
 
 @dataclass(frozen=True)
 class RecoveryRecord:
-    """One recovery of a machine, in its workflow's memory for the recovery budget: when, and why."""
+    """One recovery of a machine, in its workflow's memory for the recovery budget: when, why, and whether it
+    reimaged the machine rather than rebooting it."""
 
     at: str
     reason: str
+    reimaged: bool = False
 
 
 @dataclass

@@ -63,6 +63,8 @@ class RecoveryRequest:
     reason: str = "no reason given"
     by: str = "unknown"
     kind: RecoveryKind = RecoveryKind.FORCED
+    # A fresh OS through the provider instead of a reboot (``shepherd reimage``, ``{"reimage": true}``).
+    reimage: bool = False
 
     @property
     def by_an_operator(self) -> bool:
@@ -75,7 +77,8 @@ class RecoveryRequest:
             return f"heartbeat lost: {self.reason}"
         if self.kind is RecoveryKind.MAINTENANCE_OVER:
             return f"forced: maintenance over, reboot asked by {self.by}: {self.reason}"
-        return f"forced: {self.reason}" + ("" if self.by == "unknown" else f" (by {self.by})")
+        what = "forced reimage" if self.reimage else "forced"
+        return f"{what}: {self.reason}" + ("" if self.by == "unknown" else f" (by {self.by})")
 
     @classmethod
     def from_wire(cls, value: object) -> "RecoveryRequest":
@@ -91,6 +94,7 @@ class RecoveryRequest:
                 reason=_text(value.get("reason"), 1000) or _unreadable(value),
                 by=_operator(value.get("by")),
                 kind=RecoveryKind(kind) if kind in tuple(RecoveryKind) else RecoveryKind.FORCED,
+                reimage=value.get("reimage") is True,
             )
         if isinstance(value, str):
             for kind, prefix in ((RecoveryKind.HEARTBEAT_LOST, "heartbeat lost: "), (RecoveryKind.FORCED, "forced: ")):

@@ -86,18 +86,21 @@ class MachineActions(Connections):
         return f"{workflow_id}: {await handle.execute_update(update, request, result_type=str)}"
 
     async def recover(self, name: str, request: RecoveryRequest) -> str:
-        """Ask the machine of that name for a recovery reboot; what happens, told by the stage it was in."""
+        """Ask the machine of that name for a recovery reboot (or a reimage); what happens, told by the stage it
+        was in."""
         reason = check_reason(request.reason)
+        what, act = ("reimage", "reimages") if request.reimage else ("recovery", "reboots")
         workflow_id = await running_machine_workflow(await self.temporal(), self.bmdb, name, then="recover it again")
         before = await self._stage_of(workflow_id)
         await self.signal_recovery(workflow_id, request)
         if before == "QUARANTINED":
-            return f"{workflow_id}: was QUARANTINED; the forced recovery releases it ({reason}) and reboots it"
-        if before == "RECOVERING":
-            return f"{workflow_id} is already RECOVERING; the request is recorded with the one under way"
+            return f"{workflow_id}: was QUARANTINED; the forced {what} releases it ({reason}) and {act} it"
+        if before in ("RECOVERING", "REIMAGING"):
+            return f"{workflow_id} is already {before}; the request is recorded with the one under way"
         if before in ("PROVISIONING", "AGENT_STARTING"):
-            return f"{workflow_id}: recovery requested ({reason}); it is {before}, the reboot follows the takeover"
-        return f"{workflow_id}: recovery requested ({reason}); it was {before}"
+            return f"{workflow_id}: {what} requested ({reason}); it is {before}, the {what} follows the takeover"
+        suffix = "; a provider that cannot reimage reboots it instead" if request.reimage else ""
+        return f"{workflow_id}: {what} requested ({reason}); it was {before}{suffix}"
 
     async def signal_recovery(self, workflow_id: str, request: RecoveryRequest) -> None:
         """Signal force_recover to one machine workflow."""

@@ -157,6 +157,7 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
                 provisioning.provision_machine,
                 takeover.start_agent,
                 recovery.reboot_through_provider,
+                recovery.reimage_through_provider,
                 recovery.wait_for_boot,
                 recovery.reboot_machine,
                 takeover.stop_agent,

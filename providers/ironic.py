@@ -32,6 +32,7 @@ from providers import (
     ProviderMachine,
     ProviderUnavailable,
     Rebooted,
+    Reimaged,
     RetireAction,
     Retired,
 )
@@ -293,6 +294,28 @@ class IronicProvider:
                     f"{self.options.power_timeout:g}s (power_timeout)",
                 )
             await self._sleep(POWER_POLL)
+
+    async def reimage_machine(self, provider_id: str, ssh_public_key: str) -> Reimaged:
+        """Rebuild Shepherd's node through Ironic: its image written again, Shepherd's key in a new config drive.
+
+        Ironic works on after the call; the node has an SSH address again once it is active.
+        """
+        node = await self._node(provider_id)
+        if not self.is_ours(node):
+            raise CapacityConflict(self.name, f"{node.label()} is not Shepherd's: not rebuilt")
+        if node.maintenance:
+            raise MaintenanceHold(
+                self.name, f"{node.label()} is in Ironic's maintenance ({node.maintenance_reason or 'no reason given'})"
+            )
+        if node.provision_state == "rebuild" or node.provision_state in DEPLOYING:
+            return Reimaged(f"Ironic is at it already: {node.label()} is {node.provision_state}")
+        if node.provision_state not in ("active", "deploy failed"):
+            raise CapacityConflict(self.name, f"{node.label()} is {node.provision_state}: Ironic cannot rebuild it")
+        assert node.instance_uuid is not None  # is_ours
+        drive = self._config_drive(node, node.instance_uuid, ssh_public_key)
+        await self.api.provision(node.uuid, "rebuild", "rebuild the node", configdrive=drive)
+        log.info("provider %s: rebuilding %s", self.name, node.label())
+        return Reimaged(f"Ironic rebuilds {node.label()}: its image again, with Shepherd's key")
 
     async def retire_machine(self, provider_id: str) -> Retired:
         """Undeploy Shepherd's node, so that Ironic cleans its disks and makes it available again.

@@ -8,6 +8,7 @@ a real deploy does. What Shepherd did is read back from Ironic's API, and the co
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from providers import (
     NotDoneYet,
     ProviderMachine,
     ProviderUnavailable,
+    Reimager,
     RetireAction,
     Retired,
 )
@@ -188,6 +190,29 @@ async def test_a_reboot_goes_through_ironic_and_is_read_back(ironic):
     await rack.close()
 
 
+async def test_a_reimage_rebuilds_the_node_with_shepherds_key_again(ironic):
+    kind = resource_class()
+    node_id = ironic.enroll(resource_class=kind, extra={"ssh_address": "127.0.0.1"})
+    rack = provider(ironic, resource_class=kind)
+    assert isinstance(rack, Reimager)
+    await deployed(rack, node_id, "machine-rack-reimage")
+    asked = ironic.requests_logged(f"PUT /v1/nodes/{node_id}/states/provision")
+    new_key = PUBLIC_KEY.replace("shepherd@test", "shepherd@rotated")
+
+    reimaged = await rack.reimage_machine(node_id, new_key)
+    assert "Ironic rebuilds" in reimaged.detail
+    assert ironic.requests_logged(f"PUT /v1/nodes/{node_id}/states/provision") == asked + 1
+    node = ironic.wait_for(node_id, "active")
+    assert node["instance_uuid"] == instance_uuid_for("machine-rack-reimage"), "the same instance, rebuilt"
+    assert new_key.encode() in ironic.config_drive(node_id)
+
+    ironic.api("PUT", f"/nodes/{node_id}/states/provision", {"target": "deleted"})
+    ironic.wait_for(node_id, "available")
+    with pytest.raises(CapacityConflict, match="not Shepherd's: not rebuilt"):
+        await rack.reimage_machine(node_id, new_key)
+    await rack.close()
+
+
 async def test_a_decommission_undeploys_and_the_node_is_available_again(ironic):
     kind = resource_class()
     node_id = ironic.enroll(resource_class=kind, extra={"ssh_address": "127.0.0.1"})
@@ -301,3 +326,46 @@ def test_a_password_file_others_can_read_is_refused(tmp_path, ironic):
     loose.chmod(0o644)
     with pytest.raises(SettingsError, match="readable by others"):
         provider(ironic, auth="http_basic", username="shepherd", password_file=str(loose))
+
+
+async def test_provider_check_shows_what_shepherd_sees_and_changes_nothing(tmp_path, shepherd_cli):
+    with running_ironic(tmp_path / "ironic") as ironic:
+        ours = ironic.enroll(resource_class="gold", name="web-1", extra={"ssh_address": "127.0.0.1:2201"})
+        free = ironic.enroll(resource_class="gold", name="web-2")
+        ironic.enroll(resource_class="gold", state="manageable")
+        held = ironic.enroll(resource_class="gold")
+        ironic.api("PUT", f"/nodes/{held}/maintenance", {"reason": "fan"})
+        rack = provider(ironic, resource_class="gold")
+        await deployed(rack, ours, "machine-rack-web-1")
+        await rack.close()
+        config = tmp_path / "shepherd.toml"
+        config.write_text(
+            f"""
+[[providers]]
+name = "rack"
+type = "ironic"
+endpoint = "{ironic.url}"
+resource_class = "gold"
+image_source = "{IMAGE["image_source"]}"
+address_field = "extra/ssh_address"
+"""
+        )
+        before = ironic.api("GET", "/nodes?fields=uuid,provision_state,instance_uuid,maintenance")["nodes"]
+
+        code, out, err = await shepherd_cli({}, "provider", "check", "rack", "--config", str(config))
+        assert (code, err) == (0, ""), err
+        assert out.splitlines() == [
+            "provider rack (type ironic): nothing was changed",
+            "Shepherd's machines: 1",
+            f"  {ours}  active  127.0.0.1:2201",
+            f"free capacity: 1: {free}",
+            "left alone: 2",
+            "  1  in maintenance",
+            "  1  manageable, not available",
+        ]
+        code, out, err = await shepherd_cli({}, "provider", "check", "rack", "--config", str(config), "--json")
+        assert code == 0 and json.loads(out)["left_alone"] == {"manageable, not available": 1, "in maintenance": 1}
+        assert ironic.api("GET", "/nodes?fields=uuid,provision_state,instance_uuid,maintenance")["nodes"] == before
+
+        code, out, err = await shepherd_cli({}, "provider", "check", "rack9", "--config", str(config))
+        assert code == 1 and err == "shepherd provider: no provider instance 'rack9'; configured: rack\n"

@@ -47,6 +47,7 @@ from lifecycle.contracts import (
     RebootResult,
     RecoveryKind,
     RecoveryRequest,
+    ReimageResult,
     RetireInput,
     RetireResult,
     StartAgentInput,
@@ -87,6 +88,9 @@ class FakeMachineActivities:
         self.action_log_gate: asyncio.Event | None = None
         # Every call in order, by activity name.
         self.calls: list[str] = []
+        # Whether the provider can reimage (most cannot: the static inventory, older plugins), and its reimages.
+        self.can_reimage = False
+        self.reimages: list[RebootInput] = []
 
     @property
     def activities(self) -> list[Any]:
@@ -95,6 +99,7 @@ class FakeMachineActivities:
             self.provision_machine,
             self.start_agent,
             self.reboot_through_provider,
+            self.reimage_through_provider,
             self.wait_for_boot,
             self.stop_agent,
             self.retire_through_provider,
@@ -167,6 +172,14 @@ class FakeMachineActivities:
         if len(self.reboots) <= self.reboot_failures:
             raise ApplicationError("provider sim: reboot: bad answer", type="ProviderProtocolError", non_retryable=True)
         return RebootResult(went_down=True, detail="fake")
+
+    @activity.defn(name="reimage_through_provider")
+    async def reimage_through_provider(self, input: RebootInput) -> ReimageResult:
+        self.calls.append("reimage_through_provider")
+        if not self.can_reimage:
+            return ReimageResult(False, "provider sim cannot reimage a machine")
+        self.reimages.append(input)
+        return ReimageResult(True, "a fresh disk")
 
     @activity.defn(name="record_reboot")
     async def record_reboot(self, input: RebootInput) -> None:
@@ -503,6 +516,77 @@ async def test_a_machine_past_its_recovery_budget_is_quarantined_until_an_operat
         assert status.last_recovery_reason == "heartbeat lost: silent 4 (released by alice: PSU replaced)"
         assert len(status.recent_recoveries) == 1, "the budget starts afresh"
         assert fakes.quarantines[-1] == (False, "released by alice: PSU replaced")
+        await handle.terminate()
+
+
+async def test_past_its_budget_a_machine_is_reimaged_once_and_quarantined_only_when_that_did_not_help(
+    time_skipping_env,
+):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    fakes.can_reimage = True
+    async with machine_worker(env, fakes, "reimage") as queue:
+        handle = await start_machine(env, queue, BUDGET)
+        await env.sleep(timedelta(seconds=1))
+        for n in range(1, 4):
+            await lose_heartbeat(env, handle, f"silent {n}")
+        assert not fakes.reimages and len(fakes.reboots) == 3
+
+        # The fourth within the hour: a fresh OS instead of a quarantine, recorded as a reimage, then taken over.
+        status = await lose_heartbeat(env, handle, "silent 4")
+        assert (status.stage, status.recovery_count, status.quarantine) == (MachineStage.WATCHING, 4, None)
+        assert len(fakes.reimages) == 1 and len(fakes.reboots) == 3 and not fakes.quarantines
+        assert fakes.reimages[0].reimage and fakes.records[-1].reimage, "the record forgets the host key too"
+        assert fakes.calls[-3:] == ["record_reboot", "wait_for_boot", "start_agent"]
+        assert status.last_recovery_reason == (
+            "heartbeat lost: silent 4; its recovery budget is spent: reimaged before a quarantine"
+        )
+        assert [r.reimaged for r in status.recent_recoveries] == [False, False, False, True]
+
+        # Silent again with the reimage still in the window: that did not help, a person looks.
+        status = await lose_heartbeat(env, handle, "silent 5")
+        assert status.stage is MachineStage.QUARANTINED and len(fakes.reimages) == 1 and len(fakes.reboots) == 3
+        assert fakes.quarantines and fakes.quarantines[0][0]
+        await handle.terminate()
+
+
+async def test_a_provider_that_cannot_reimage_leaves_the_quarantine_as_it_was(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "no-reimage") as queue:
+        handle = await start_machine(env, queue, BUDGET)
+        await env.sleep(timedelta(seconds=1))
+        for n in range(1, 5):
+            status = await lose_heartbeat(env, handle, f"silent {n}")
+        assert status.stage is MachineStage.QUARANTINED and len(fakes.reboots) == 3
+        assert fakes.calls.count("reimage_through_provider") == 1, "asked once; the provider declined"
+        assert not fakes.reimages
+        await handle.terminate()
+
+
+async def test_an_operator_asks_for_a_reimage_which_the_budget_never_counts(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    fakes.can_reimage = True
+    async with machine_worker(env, fakes, "reimage-forced") as queue:
+        handle = await start_machine(env, queue, BUDGET)
+        await env.sleep(timedelta(seconds=1))
+        await handle.signal("force_recover", {"reason": "disk errors", "by": "alice", "reimage": True})
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 1)
+        assert status.last_recovery_reason == "forced reimage: disk errors (by alice)"
+        assert len(fakes.reimages) == 1 and not fakes.reboots
+        assert fakes.reimages[0].kind is RecoveryKind.FORCED
+        assert ("reimage_forced", "by alice: disk errors") in fakes.actions_logged
+
+        # Where the provider cannot, the operator's machine is rebooted instead.
+        fakes.can_reimage = False
+        await handle.signal("force_recover", {"reason": "try again", "reimage": True})
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 2)
+        assert len(fakes.reimages) == 1 and len(fakes.reboots) == 1
         await handle.terminate()
 
 

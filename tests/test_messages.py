@@ -92,6 +92,7 @@ def test_a_typed_request_goes_on_the_wire_as_the_json_an_operator_types():
         "reason": "disk errors",
         "by": "alice",
         "kind": "forced",
+        "reimage": False,
     }
     assert encoded(OperatorRequest("end of lease", "carol")) == {"reason": "end of lease", "by": "carol"}
     assert decoded(encoded(MaintenanceRequest(True, "fans", "bob")), MaintenanceRequest) == MaintenanceRequest(
@@ -225,3 +226,10 @@ def test_a_status_handed_on_keeps_the_machine_and_leaves_the_run_behind():
     assert afresh.address == "10.0.0.1"
     afresh.actions.append(OperatorAction("now", "release", "bob", "fixed"))
     assert status.actions == [], "the lists are the next run's own"
+
+
+def test_a_reimage_is_asked_with_a_flag_and_anything_else_is_a_reboot():
+    assert decoded({"reason": "disk errors", "reimage": True}, RecoveryRequest).reimage
+    for sent in ({"reason": "disk errors"}, {"reason": "x", "reimage": "yes"}, {"reimage": 1}, "disk errors"):
+        assert not decoded(sent, RecoveryRequest).reimage, sent
+    assert RecoveryRequest("disk errors", "alice", reimage=True).describe() == "forced reimage: disk errors (by alice)"

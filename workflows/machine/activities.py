@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         ProvisionResult,
         RebootInput,
         RebootResult,
+        ReimageResult,
         RetireResult,
         StartAgentInput,
         provider_task_queue,
@@ -94,12 +95,26 @@ async def reboot_through_provider(machine: MachineInput, reboot: RebootInput) ->
     )
 
 
+async def reimage_through_provider(machine: MachineInput, reimage: RebootInput) -> ReimageResult:
+    """Reimage the machine, unless its recovery cycle did already; reimaged False when its provider cannot."""
+    return await workflow.execute_activity_method(
+        RecoveryActivities.reimage_through_provider,
+        reimage,
+        summary=f"reimage {machine.provider_id} through provider {machine.provider}: {reimage.cause}"[:200],
+        **_at_the_provider(machine, machine.policy.recovery_timeout),
+    )
+
+
 async def record_reboot(reboot: RebootInput) -> None:
-    """Record the reboot in BMDB, which forgets the old agent."""
+    """Record the reboot (or reimage) in BMDB, which forgets the old agent (and, after a reimage, the host key)."""
     await workflow.execute_activity_method(
         RecoveryActivities.record_reboot,
         reboot,
-        summary="record the reboot in BMDB and forget the old agent",
+        summary=(
+            "record the reimage in BMDB and forget the old agent and host key"
+            if reboot.reimage
+            else "record the reboot in BMDB and forget the old agent"
+        ),
         start_to_close_timeout=timedelta(minutes=1),
         retry_policy=BLIP_RETRY,
     )

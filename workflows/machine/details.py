@@ -37,7 +37,8 @@ def current_details(status: MachineStatus, decommission_asked: Decommission | No
         lines.append(f"**quarantined** since {status.quarantine.since}: {status.quarantine.reason}")
         lines.append("release: `shepherd release` or the `release` update with a reason")
     if status.waiting_for_boot_since:
-        lines.append(f"rebooted; waiting since {status.waiting_for_boot_since} for SSH to answer")
+        done = "reimaged" if status.stage is MachineStage.REIMAGING else "rebooted"
+        lines.append(f"{done}; waiting since {status.waiting_for_boot_since} for SSH to answer")
     lines.append(
         f"recoveries: {status.recovery_count}"
         + (f", last: {status.last_recovery_reason}" if status.last_recovery_reason else "")

@@ -1,5 +1,6 @@
 """What a machine goes through besides its bring-up: a recovery cycle (reboot once, record it, wait for the boot),
-a quarantine once recoveries exceed the budget, a maintenance of a WATCHING machine, and a decommission."""
+a reimage once recoveries exceed the budget, a quarantine when that did not help, a maintenance of a WATCHING
+machine, and a decommission."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ with workflow.unsafe.imports_passed_through():
         RetireInput,
         RetireResult,
     )
+
+
+# Recoveries past the budget recorded before reimaging existed quarantined at once.
+_REIMAGE = "reimage-before-quarantine"
 
 
 class MachineFlows(MachineRun):
@@ -87,6 +92,10 @@ class MachineFlows(MachineRun):
         status.recent_recoveries = []
         return f"{reason} (released by {by}: {released_why})"
 
+    def _may_reimage(self, policy: LifecyclePolicy) -> bool:
+        """Whether a recovery past the budget may reimage the machine: none the budget still counts did."""
+        return workflow.patched(_REIMAGE) and not any(r.reimaged for r in self._within_budget_window(policy))
+
     async def _recover(self, input: MachineInput, reason: str, kind: RecoveryKind) -> None:
         """Reboot once in this recovery cycle, record it, then wait for the machine to answer SSH again.
 
@@ -94,20 +103,45 @@ class MachineFlows(MachineRun):
         takeover from hitting a booting machine and waiting out the agent-start back-off.
         """
         backoff = input.policy.recovery_backoff
-        reboot = RebootInput(
+        reboot = self._cycle_input(input, reason, kind, reimage=False)
+        rebooted = await self._until_success(backoff, lambda: activities.reboot_through_provider(input, reboot))
+        await self._until_success(backoff, lambda: activities.record_reboot(reboot))
+        await self._wait_for_boot(input, rebooted.went_down)
+
+    async def _reimage(self, input: MachineInput, reason: str, kind: RecoveryKind) -> bool:
+        """Reimage once in this recovery cycle, record it (which forgets the pinned host key), then wait for the new
+        OS to answer SSH; False, with nothing done, when the provider cannot reimage or the worker's setting is off.
+        """
+        backoff = input.policy.recovery_backoff
+        reimage = self._cycle_input(input, reason, kind, reimage=True)
+        self._set_stage(MachineStage.REIMAGING)
+        result = await self._until_success(backoff, lambda: activities.reimage_through_provider(input, reimage))
+        if not result.reimaged:
+            workflow.logger.warning("not reimaged: %s", result.detail, extra=self._log_fields)
+            return False
+        await self._until_success(backoff, lambda: activities.record_reboot(reimage))
+        # Whatever the provider saw, SSH must first go away: the old OS may answer a while before the new one.
+        await self._wait_for_boot(input, went_down=False)
+        return True
+
+    def _cycle_input(self, input: MachineInput, reason: str, kind: RecoveryKind, *, reimage: bool) -> RebootInput:
+        """The input of this recovery cycle's reboot or reimage steps."""
+        return RebootInput(
             provider=input.provider,
             provider_id=input.provider_id,
             machine_id=input.machine_id,
             cause=reason,
             cycle=workflow.info().run_id,
             kind=kind,
+            reimage=reimage,
         )
-        rebooted = await self._until_success(backoff, lambda: activities.reboot_through_provider(input, reboot))
-        await self._until_success(backoff, lambda: activities.record_reboot(reboot))
+
+    async def _wait_for_boot(self, input: MachineInput, went_down: bool) -> None:
+        """Wait for the machine to answer SSH after its reboot or reimage; a takeover follows either way."""
         self._status.waiting_for_boot_since = self._now()
         self._show_details()
         try:
-            booted = await activities.wait_for_boot(input, rebooted.went_down)
+            booted = await activities.wait_for_boot(input, went_down)
             if booted.came_back:
                 workflow.logger.info("back after %.0fs: %s", booted.waited, booted.detail, extra=self._log_fields)
             else:

@@ -78,8 +78,9 @@ class MachineRun:
         status.stage_since = status.stage_since or self._now()
         self._attempts_before_this_run = status.attempts
         self._retry_now = False
-        # (who, why) of the operator who released the quarantined machine.
+        # (who, why) of the operator who released the quarantined machine, and whether they asked for a reimage.
         self._release: tuple[str, str] | None = None
+        self._reimage_on_release = False
         # An operator's maintenance, asked for and not yet ended; and (who, why, reboot?) of its end.
         self._maintenance_asked: Maintenance | None = input.maintenance
         self._maintenance_off: tuple[str, str, bool] | None = None

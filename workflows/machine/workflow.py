@@ -124,20 +124,34 @@ class MachineWorkflow(MachineFlows):
         elif status.recovery_requested is not None:
             requested = status.recovery_requested
             reason = requested.describe()
-            if workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, requested):
+            spent = workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, requested)
+            # Past the budget, a fresh OS once before a person is called; a second time past it, the person.
+            instead_of_quarantine = spent and self._may_reimage(input.policy)
+            reimage = requested.reimage or instead_of_quarantine
+            if spent and not instead_of_quarantine:
                 reason = await self._quarantine(input, reason)
-            self._set_stage(MachineStage.RECOVERING)
-            if workflow.patched(_REBOOT_ONCE):
-                await self._recover(input, reason, requested.kind)
-            else:
-                await self._until_success(
-                    input.policy.recovery_backoff, lambda: self._reboot(input, reason, requested.kind)
-                )
+                reimage = self._reimage_on_release
+            elif instead_of_quarantine:
+                reason = f"{reason}; its recovery budget is spent: reimaged before a quarantine"
+            reimaged = reimage and await self._reimage(input, reason, requested.kind)
+            if instead_of_quarantine and not reimaged:
+                reason = await self._quarantine(input, reason)
+            if not reimaged:
+                self._set_stage(MachineStage.RECOVERING)
+                if workflow.patched(_REBOOT_ONCE):
+                    await self._recover(input, reason, requested.kind)
+                else:
+                    await self._until_success(
+                        input.policy.recovery_backoff, lambda: self._reboot(input, reason, requested.kind)
+                    )
             # Requests that arrived during the reboot are answered by it.
             handed.stage, handed.agent = MachineStage.AGENT_STARTING, None
             handed.recovery_count += 1
             handed.last_recovery_reason = reason
-            handed.recent_recoveries = [*self._within_budget_window(input.policy), RecoveryRecord(self._now(), reason)]
+            handed.recent_recoveries = [
+                *self._within_budget_window(input.policy),
+                RecoveryRecord(self._now(), reason, reimaged=reimaged),
+            ]
         # Asked while the machine rebooted: the next run would not know of it.
         self._stop_if_decommissioned()
         if self._maintenance_asked is not None:
@@ -217,7 +231,8 @@ class MachineWorkflow(MachineFlows):
         # Whatever the argument says, an operator sent it.
         request = dataclasses.replace(request, kind=RecoveryKind.FORCED)
         self._request_recovery(request)
-        await self._log_action(FORCE_RECOVER_SIGNAL, request.by, request.reason, "recovery_forced")
+        kind = "reimage_forced" if request.reimage else "recovery_forced"
+        await self._log_action(FORCE_RECOVER_SIGNAL, request.by, request.reason, kind)
 
     @workflow.signal(name=HEARTBEAT_LOST_SIGNAL)
     def heartbeat_lost(self, lost: HeartbeatLost | None = None) -> None:
@@ -401,9 +416,10 @@ class MachineWorkflow(MachineFlows):
         if status.stage is MachineStage.QUARANTINED and request.by_an_operator and self._release is None:
             # An operator who forces a recovery of a quarantined machine means it: that is a release.
             self._release = (request.by, reason)
+            self._reimage_on_release = request.reimage
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
             return
-        if status.recovery_requested is not None or status.stage is MachineStage.RECOVERING:
+        if status.recovery_requested is not None or status.stage in (MachineStage.RECOVERING, MachineStage.REIMAGING):
             status.recovery_requests_coalesced += 1
             workflow.logger.info("recovery already under way; coalesced: %s", reason, extra=self._log_fields)
             return
