@@ -34,6 +34,7 @@ from lifecycle.inputs import recovery_hold_rule
 from lifecycle.reconcile import plan_reconcile
 from lifecycle.takeover import key_fingerprint
 from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold
+from providers import CountsLeftAlone
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class FleetActivities:
             disagreements=disagreements[:_DISAGREEMENTS_SHOWN],
             disagreement_count=len(disagreements),
             note=plan.note,
+            left_alone=dict(provider.left_alone) if isinstance(provider, CountsLeftAlone) else {},
         )
 
     @activity.defn

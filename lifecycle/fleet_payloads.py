@@ -105,6 +105,8 @@ class ReconcilePassPlan:
     disagreements: list[str]
     disagreement_count: int
     note: str
+    # What the provider holds and leaves alone, by why (Ironic: "in maintenance": 2); empty where it cannot tell.
+    left_alone: dict[str, int] = field(default_factory=dict)
 
     @property
     def refused(self) -> bool:

@@ -8,6 +8,7 @@ capacity, reboots machines whose agent went silent, and retires decommissioned o
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -187,4 +188,15 @@ class Reimager(Protocol):
         Returns once the provider has taken the job on; the machine answers SSH, with a new host key, when its
         new OS is up. Repeating the call while that reimage is under way starts no second one.
         """
+        ...
+
+
+@runtime_checkable
+class CountsLeftAlone(Protocol):
+    """A provider whose listing passes over machines that are neither Shepherd's nor free capacity, an optional
+    capability: it says how many it left alone, and why, so an operator sees them (`shepherd fleet`)."""
+
+    @property
+    def left_alone(self) -> Mapping[str, int]:
+        """Machines its last listing left alone, by reason."""
         ...

@@ -32,6 +32,7 @@ from shepherd.commands import (
     machines,
     maintenance,
     migrate,
+    provider,
     recover,
     release,
     reset_host_key,
@@ -63,6 +64,7 @@ COMMANDS = (
     config,
     ssh_key,
     inventory,
+    provider,
     sim,
 )
 

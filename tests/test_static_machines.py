@@ -430,7 +430,7 @@ def test_dev_takes_over_the_machines_of_an_inventory(tmp_path, sshd, lab_bmc):
     assert "all 1 machines are WATCHING" in result.stdout and "simulator" not in result.stdout
 
     refused = subprocess.run([*dev, "--chaos"], capture_output=True, text=True, env=env, timeout=60)
-    assert refused.returncode == 2 and "does not go with --inventory" in refused.stderr
+    assert refused.returncode == 2 and "does not go with real machines" in refused.stderr
     inventory.write_text(inventory.read_text() + 'id = "twice"\n')
     broken = subprocess.run([*dev, *flags], capture_output=True, text=True, env=env, timeout=60)
     assert broken.returncode == 1 and str(inventory) in broken.stderr and "line" in broken.stderr

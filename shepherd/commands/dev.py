@@ -25,7 +25,7 @@ from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
 from foundation.executables import AgentExecutable
-from foundation.setting_values import parse_endpoint
+from foundation.setting_values import SettingsError, parse_endpoint
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from lifecycle.contracts import (
@@ -39,6 +39,7 @@ from operations.machine_reads import machine_stages
 from processes.worker import ensure_fleet_schedules
 from providers import ProviderError
 from providers.inventory import load_inventory
+from providers.registry import open_provider
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
 from shepherd.commands.dev_stack.chaos import Chaos
 from shepherd.commands.dev_stack.children import (
@@ -75,20 +76,21 @@ class DevStack:
         self.base = base
         self.children: list[Child] = []
         self.postgres: LocalPostgres | None = None
-        # How many machines should reach WATCHING: the simulated fleet, or the inventory's machines.
+        # How many machines should reach WATCHING: the simulated fleet, the inventory's machines, or --machines of
+        # a providers file's.
         self.wanted = options.machines
-        # Prometheus ports of the children this stack runs: no simulator with an inventory.
+        # Prometheus ports of the children this stack runs: no simulator with real machines.
         self.metrics_ports = {
-            child: port for child, port in METRICS_PORTS.items() if child != "simulator" or options.inventory is None
+            child: port for child, port in METRICS_PORTS.items() if child != "simulator" or options.simulated
         }
 
     def forget_state(self) -> None:
         """Delete what the embedded stack keeps (nothing else in the state dir).
 
-        Real machines keep Shepherd's key in their authorized_keys, so with an inventory the key stays.
+        Real machines keep Shepherd's key in their authorized_keys, so with real machines the key stays.
         """
         for name in DEV_STATE:
-            if name == "ssh_key" and self.options.inventory is not None:
+            if name == "ssh_key" and not self.options.simulated:
                 continue
             path = self.state / name
             if path.is_dir():
@@ -107,11 +109,14 @@ class DevStack:
         self.state.mkdir(parents=True, exist_ok=True)
         try:
             settings = dev_settings(self.base, self.state, self.options)
-            # Refused now, in one line naming file, line and machine, rather than in the first pass.
+            # Refused now, in one line naming file, line and machine (or option), rather than in the first pass.
             self.wanted = (
                 len(load_inventory(self.options.inventory)) if self.options.inventory else self.options.machines
             )
-        except ProviderError as error:
+            if self.options.providers is not None:
+                for instance in settings.provider_instances:
+                    await open_provider(instance, settings).close()
+        except (ProviderError, SettingsError) as error:
             print(f"shepherd dev: {error}", file=sys.stderr)
             return 1
         stop = asyncio.Event()
@@ -134,7 +139,7 @@ class DevStack:
 
     async def start(self, settings: Settings) -> tuple[Client, str]:
         """Start every child in order, each once the one it needs answers; the Temporal client and BMDB's URL."""
-        simulated = self.options.inventory is None
+        simulated = self.options.simulated
         for port, what in (
             (TEMPORAL_PORT, "Temporal"),
             (TEMPORAL_UI_PORT, "Temporal UI"),
@@ -173,7 +178,8 @@ class DevStack:
             await self.start_simulator(settings, logs)
         else:
             key = public_key_openssh(load_or_create_ssh_key(settings.effective_ssh_key_path))
-            self.say(f"{self.wanted} machines from {self.options.inventory}; Shepherd logs in to them with")
+            source = self.options.inventory or f"the providers of {self.options.providers}"
+            self.say(f"{self.wanted} machines from {source}; Shepherd logs in to them with")
             self.say(f"  {key}")
             if self.options.agent_python:
                 python = self.options.agent_python
@@ -350,13 +356,19 @@ def register(commands: Subcommands) -> None:
         "--inventory", type=Path, help="take over the real machines of this static inventory instead of simulating"
     )
     parser.add_argument(
+        "--providers",
+        type=Path,
+        help="take over real machines from the [[providers]] of this settings file (an existing Ironic, say) instead "
+        "of simulating; --machines is how many",
+    )
+    parser.add_argument(
         "--agent-endpoint",
         type=endpoint_arg,
-        help=f"HOST:PORT the machines reach the heartbeat server at (with --inventory; default {AGENT_ENDPOINT})",
+        help=f"HOST:PORT the machines reach the heartbeat server at (with real machines; default {AGENT_ENDPOINT})",
     )
     parser.add_argument(
         "--agent-python",
-        help="escape hatch (with --inventory): upload a zipapp agent run by this interpreter, which must have "
+        help="escape hatch (with real machines): upload a zipapp agent run by this interpreter, which must have "
         "protobuf and PyNaCl, instead of the self-contained executable",
     )
     parser.set_defaults(run=run)
@@ -383,6 +395,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             chaos_interval=args.chaos_interval,
             chaos_kills=args.chaos_kills,
             inventory=args.inventory.resolve() if args.inventory else None,
+            providers=args.providers.resolve() if args.providers else None,
             agent_endpoint=args.agent_endpoint,
             agent_python=args.agent_python,
         )

@@ -132,6 +132,14 @@ def format_passes(passes: list[FleetPass]) -> list[str]:
         if result.get("silent"):
             silent = ", ".join(result["silent"])
             lines += textwrap.wrap(silent, 80, initial_indent="  silent: ", subsequent_indent="          ")
+        if plan.get("left_alone"):
+            alone = plan["left_alone"]
+            told = ", ".join(
+                f"{count} {why}" for why, count in sorted(alone.items(), key=lambda item: (-item[1], item[0]))
+            )
+            lines += textwrap.wrap(
+                f"{sum(alone.values())}: {told}", 80, initial_indent="  left alone: ", subsequent_indent="    "
+            )
         if result.get("spared_after_hold"):
             spared = result["spared_after_hold"]
             lines.append(f"  spared: {spared} silent since before a hold ended, given time to come back")

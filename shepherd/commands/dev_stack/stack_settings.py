@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from foundation.provider_instances import ProviderInstance
-from foundation.setting_values import ENV_PREFIX, parse_endpoint
+from foundation.setting_values import ENV_PREFIX, SettingsError, parse_endpoint
 from foundation.settings import Settings
 from foundation.tls import local_certificates
 
@@ -40,17 +40,26 @@ class DevOptions:
     chaos: bool = False
     chaos_interval: float = 60.0
     chaos_kills: int | None = None  # None: until stopped
-    # Real machines from a static inventory instead of the simulator, and where they reach the heartbeat server.
+    # Real machines from a static inventory instead of the simulator, or from the [[providers]] of a settings
+    # file (an existing Ironic, say), and where they reach the heartbeat server.
     inventory: Path | None = None
+    providers: Path | None = None
     agent_endpoint: str | None = None
     # Escape hatch: a zipapp agent for this interpreter on the machines instead of the self-contained executable.
     agent_python: str | None = None
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the machines are the simulator's, not real ones."""
+        return self.inventory is None and self.providers is None
+
     def __post_init__(self) -> None:
-        if self.inventory is None and (self.agent_endpoint or self.agent_python):
-            raise ValueError("--agent-endpoint and --agent-python go with --inventory")
-        if self.inventory is not None and self.chaos:
-            raise ValueError("--chaos kills agents through the simulator; it does not go with --inventory")
+        if self.inventory is not None and self.providers is not None:
+            raise ValueError("--inventory and --providers are two ways to name real machines: give one")
+        if self.simulated and (self.agent_endpoint or self.agent_python):
+            raise ValueError("--agent-endpoint and --agent-python go with --inventory or --providers")
+        if not self.simulated and self.chaos:
+            raise ValueError("--chaos kills agents through the simulator; it does not go with real machines")
         if self.chaos_kills is not None and not self.chaos:
             raise ValueError("--chaos-kills needs --chaos")
         if self.chaos and self.until_ready and self.chaos_kills is None:
@@ -63,7 +72,8 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
     """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch.
 
     With an inventory the machines are real: the one provider instance reads it, every listed machine is taken
-    (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint.
+    (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint. With a
+    providers file, its [[providers]] are the stack's, and --machines is how many machines a pass takes at most.
     """
     endpoint = options.agent_endpoint or AGENT_ENDPOINT
     host, port = parse_endpoint(endpoint)
@@ -73,6 +83,11 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
     if options.inventory is not None:
         machines, listen = 0, f"0.0.0.0:{port}"
         providers = (ProviderInstance(INVENTORY_INSTANCE, "static", {"inventory": str(options.inventory)}),)
+    elif options.providers is not None:
+        listen = f"0.0.0.0:{port}"
+        providers = Settings.from_env({}, config_path=options.providers).providers
+        if not providers:
+            raise SettingsError("providers", f"{options.providers} has no [[providers]] tables")
     return base.replace(
         heartbeat_listen=listen,
         heartbeat_tls_certificate_path=certificates.server_certificate,

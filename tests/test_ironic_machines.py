@@ -1,0 +1,53 @@
+"""Real machines through a real Ironic: the embedded stack deploys an available node and takes the machine behind
+it over, through OpenSSH's sshd, to WATCHING.
+
+fake-hardware nodes go through Ironic's real state machine without hardware; the machine behind a node is sshd on
+loopback, which Shepherd finds through the node's extra/ssh_address, as an operator would configure it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.ironic_fixtures import running_ironic
+from tests.sshd_fixtures import sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
+
+
+def test_dev_deploys_an_ironic_node_and_takes_its_machine_over(tmp_path, sshd):
+    key = tmp_path / "state" / "ssh_key"
+    key.parent.mkdir()
+    write_private_key(key, sshd.client_key)
+    (tmp_path / "machine").mkdir()
+    env = {**os.environ, "SHEPHERD_AGENT_TARGET_PATH": str(tmp_path / "machine" / "agent")}
+    with running_ironic(tmp_path / "ironic") as ironic:
+        node = ironic.enroll(resource_class="gold", name="web-1", extra={"ssh_address": f"127.0.0.1:{sshd.port}"})
+        ironic.enroll(resource_class="silver", name="not-ours")
+        providers = tmp_path / "providers.toml"
+        providers.write_text(
+            f"""
+[[providers]]
+name = "rack1"
+type = "ironic"
+endpoint = "{ironic.url}"
+resource_class = "gold"
+image_source = "http://127.0.0.1:9/os.qcow2"
+address_field = "extra/ssh_address"
+ssh_user = "{sshd.username}"
+"""
+        )
+        dev = [sys.executable, "-m", "shepherd", "dev", "--state-dir", str(tmp_path / "state")]
+        flags = ["--providers", str(providers), "--machines", "1", "--until-ready", "--timeout", "3m"]
+        result = subprocess.run([*dev, *flags], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "all 1 machines are WATCHING" in result.stdout and "simulator" not in result.stdout
+        deployed = ironic.node(node)
+        assert deployed["provision_state"] == "active" and deployed["extra"]["shepherd_provider"] == "rack1"
+        assert sshd.client_key.export_public_key("openssh").decode().split()[1].encode() in ironic.config_drive(node)
+
+        providers.write_text(providers.read_text().replace('address_field = "extra/ssh_address"\n', ""))
+        broken = subprocess.run([*dev, *flags], capture_output=True, text=True, env=env, timeout=120)
+        assert broken.returncode == 1 and "say where SSH reaches a deployed node" in broken.stderr
+        refused = subprocess.run([*dev, *flags, "--chaos"], capture_output=True, text=True, env=env, timeout=60)
+        assert refused.returncode == 2 and "does not go with real machines" in refused.stderr
