@@ -24,6 +24,7 @@ from providers import (
     ProviderProtocolError,
     ProviderUnavailable,
     Rebooted,
+    Reimaged,
     RetireAction,
     Retired,
 )
@@ -167,6 +168,20 @@ class SimProvider:
             raise self._unexpected(where, status, payload)
         # The simulator answers once the machine's SSH is down for the boot.
         return Rebooted(went_down=True, detail="the simulator took SSH down for the boot")
+
+    async def reimage_machine(self, provider_id: str, ssh_public_key: str) -> Reimaged:
+        """Reimage the machine with ssh_public_key for root; the simulator answers once its SSH is down for the boot.
+
+        Asked again while that boot is under way, with the same key, the simulator starts no second reimage.
+        """
+        where = f"reimage machine {provider_id}"
+        body = {"ssh_public_key": ssh_public_key}
+        status, payload = await self._request(where, "POST", self._machine_path(provider_id) + "/reimage", body)
+        if status == 404:
+            raise MachineNotFound(self.name, provider_id)
+        if status != 202:
+            raise self._unexpected(where, status, payload)
+        return Reimaged(detail="the simulator wiped the disk, made a new host key, installed the key and is booting")
 
     async def retire_machine(self, provider_id: str) -> Retired:
         """Release the machine to the simulator, which wipes it and frees its slot; untouched if gone already."""

@@ -7,7 +7,8 @@ detached agent does. ``sh -c SCRIPT NAME ARG...``, the form of every command
 Shepherd sends, runs this host's shell with each ARG that is an absolute path
 taken inside the machine's directory, as the machine's own shell would see it;
 its temporary directory is the machine's ``/tmp``. A reboot kills those
-processes, empties ``/tmp`` and keeps SSH down for the boot time.
+processes, empties ``/tmp`` and keeps SSH down for the boot time; a reimage
+does the same on a fresh disk, with a new host key and the key it was given.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class SimulatedMachine:
         self.root_fs = root_dir / "root-fs"
         (self.root_fs / "root").mkdir(parents=True, exist_ok=True)
         self.host_key = asyncssh.import_private_key(host_key)
-        self.authorized_key = authorized_key.encode().split()[:2]
+        self.authorized_key = _key_words(authorized_key)
         self.ssh_host = ssh_host
         self.ssh_port = ssh_port
         self.exec_delay = exec_delay
@@ -158,7 +159,28 @@ class SimulatedMachine:
         killed = self._power_off()
         log.info("machine %s rebooting: killed %d process group(s)", self.machine_id, killed)
         await self.stop_ssh()
-        self.status = "rebooting"
+        self._boot_after(boot_seconds, refused, "rebooting")
+
+    async def reimage(
+        self, host_key: str, authorized_key: str, boot_seconds: float, refused: Callable[[], bool]
+    ) -> None:
+        """Reboot the machine onto a fresh disk: all its files wiped, host_key its SSH server's, authorized_key the
+        one root logs in with. OSError if the disk cannot be wiped: the machine is left down, its old keys kept."""
+        # SSH first: no new command may start a process between the kill and the wipe.
+        await self.stop_ssh()
+        killed = self._power_off()
+        # What the machine held (the agent, its key and log, whatever else was put there) is gone with the old OS.
+        shutil.rmtree(self.root_fs)
+        (self.root_fs / "root").mkdir(parents=True)
+        self.host_key = asyncssh.import_private_key(host_key)
+        self.authorized_key = _key_words(authorized_key)
+        log.info("machine %s reimaging: killed %d process group(s), wiped its disk", self.machine_id, killed)
+        self._boot_after(boot_seconds, refused, "reimaging")
+
+    def _boot_after(self, boot_seconds: float, refused: Callable[[], bool], status: str) -> None:
+        """Keep the machine in status, down, until it boots after boot_seconds, SSH up unless refused()."""
+        self.status = status
+        # A boot under way is superseded: the machine went down again before it was up.
         if self._boot is not None:
             self._boot.cancel()
 
@@ -237,6 +259,11 @@ class SimulatedMachine:
         for task in [pumps[0], *pending]:
             task.cancel()
         process.exit(code if code >= 0 else 128 - code)
+
+
+def _key_words(openssh_line: str) -> list[bytes]:
+    """The key type and base64 of an OpenSSH public key line, what a login's key is compared with; no comment."""
+    return openssh_line.encode().split()[:2]
 
 
 async def _pump_stdin(process: asyncssh.SSHServerProcess[bytes], stdin: asyncio.StreamWriter) -> None:

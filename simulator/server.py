@@ -7,6 +7,7 @@ import logging
 import random
 import shutil
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import asyncssh
@@ -25,6 +26,38 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request's body, a JSON object, or the 400 answer that says what it is instead."""
+    try:
+        body = await request.json()
+    except ValueError:  # not JSON, or not UTF-8
+        return _error(400, "the body is not JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    return body
+
+
+def _public_key_problem(key: Any) -> str | None:
+    """What makes field ssh_public_key unusable as root's key on a machine, or None for one OpenSSH public key line."""
+    if not isinstance(key, str) or not key:
+        return "field ssh_public_key must be a non-empty string"
+    try:
+        imported = asyncssh.import_public_key(key)
+    except asyncssh.KeyImportError:
+        return "field ssh_public_key is not an OpenSSH public key"
+    # asyncssh reads PEM, RFC 4716 and private keys too, and the first of several lines, but a machine compares a
+    # login's key with the type and base64 of the line it was given: any other form would lock root out.
+    one_line = len(key.strip().splitlines()) == 1
+    if not one_line or imported.export_public_key("openssh").split()[:2] != key.encode().split()[:2]:
+        return "field ssh_public_key must be one OpenSSH public key line (type, base64, comment)"
+    return None
+
+
+def _new_host_key() -> str:
+    """A new private host key for a machine's SSH server, in OpenSSH form."""
+    return asyncssh.generate_private_key("ssh-ed25519").export_private_key("openssh").decode()
+
+
 class Simulator:
     """The simulator: provider and admin HTTP APIs over its capacity slots, and an SSH server per created machine."""
 
@@ -35,6 +68,9 @@ class Simulator:
         )
         self._machines_gauge = meter.create_gauge("shepherd_sim_machines", "Simulated machines, by status")
         self._reboots = meter.create_counter("shepherd_sim_reboots_total", "Reboots asked for through the API")
+        self._reimages = meter.create_counter(
+            "shepherd_sim_reimages_total", "Reimages done through the API, repeats of one under way not counted"
+        )
         self._agent_kills = meter.create_counter(
             "shepherd_sim_agent_kills_total", "Agents killed through the admin API"
         )
@@ -48,7 +84,8 @@ class Simulator:
         self.random = random.Random()
         self._runner: web.AppRunner | None = None
         self._port = config.api_port
-        self._create_lock = asyncio.Lock()
+        # One change of the fleet's records at a time: a creation, a reimage or a release.
+        self._change_lock = asyncio.Lock()
 
     @property
     def api_url(self) -> str:
@@ -71,6 +108,7 @@ class Simulator:
                 web.post("/v1/machines", self._create),
                 web.get("/v1/machines/{id}", self._get),
                 web.post("/v1/machines/{id}/reboot", self._reboot),
+                web.post("/v1/machines/{id}/reimage", self._reimage),
                 web.delete("/v1/machines/{id}", self._release),
                 web.get("/admin/state", self._admin_state),
                 web.post("/admin/faults", self._admin_faults),
@@ -159,7 +197,7 @@ class Simulator:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unknown"
             self._api_requests.add(1, {"method": request.method, "route": route, "status": str(status)})
-            for machine_status in ("active", "rebooting"):
+            for machine_status in ("active", "rebooting", "reimaging"):
                 count = sum(1 for m in self.machines.values() if m.status == machine_status)
                 self._machines_gauge.set(count, {"status": machine_status})
 
@@ -188,21 +226,16 @@ class Simulator:
         return web.json_response(self.view(slot))
 
     async def _create(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except ValueError:  # not JSON, or not UTF-8
-            return _error(400, "the body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
-        for name in ("capacity_id", "idempotency_key", "ssh_public_key"):
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        for name in ("capacity_id", "idempotency_key"):
             if not isinstance(body.get(name), str) or not body[name]:
                 return _error(400, f"field {name} must be a non-empty string")
+        if problem := _public_key_problem(body.get("ssh_public_key")):
+            return _error(400, problem)
         slot, key, public_key = body["capacity_id"], body["idempotency_key"], body["ssh_public_key"]
-        try:
-            asyncssh.import_public_key(public_key)
-        except asyncssh.KeyImportError:
-            return _error(400, "field ssh_public_key is not an OpenSSH public key")
-        async with self._create_lock:
+        async with self._change_lock:
             existing = self.state.by_idempotency_key(key)
             if existing is not None:
                 if existing.machine_id != slot:
@@ -212,8 +245,7 @@ class Simulator:
                 return _error(404, f"no capacity slot {slot}")
             if slot in self.state.machines:
                 return _error(409, f"capacity slot {slot} is already in use by another request")
-            host_key = asyncssh.generate_private_key("ssh-ed25519").export_private_key("openssh").decode()
-            record = MachineRecord(slot, key, public_key, host_key)
+            record = MachineRecord(slot, key, public_key, _new_host_key())
             await self._bring_up(record)
             # On disk before the answer: a machine answered as created outlives a crash of the simulator.
             self.state_files.append(self.state, self.state.create(record))
@@ -229,10 +261,44 @@ class Simulator:
         await machine.reboot(self.config.boot_seconds, lambda: self.faults.refuses(slot))
         return web.json_response(self.view(slot), status=202)
 
+    async def _reimage(self, request: web.Request) -> web.Response:
+        """Reimage a machine: a reboot onto a fresh disk, with a new host key and the body's ssh_public_key for root.
+
+        Answered once SSH is down for the boot, as a reboot is. Asked again while that boot is under way, with the
+        same key, it does nothing more: the Reimager contract has a repeat start no second reimage.
+        """
+        slot = request.match_info["id"]
+        if slot not in self.machines:
+            return _error(404, f"no machine {slot}")
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        if problem := _public_key_problem(body.get("ssh_public_key")):
+            return _error(400, problem)
+        public_key: str = body["ssh_public_key"]
+        async with self._change_lock:
+            machine = self.machines.get(slot)
+            if machine is None:  # released while the body was read
+                return _error(404, f"no machine {slot}")
+            record = self.state.machines[slot]
+            if machine.status == "reimaging":
+                if record.ssh_public_key.split()[:2] != public_key.split()[:2]:
+                    return _error(409, f"machine {slot} is being reimaged with another key; ask again once it is up")
+                return web.json_response(self.view(slot), status=202)
+            record = replace(record, ssh_public_key=public_key, host_key=_new_host_key())
+            await machine.reimage(
+                record.host_key, public_key, self.config.boot_seconds, lambda: self.faults.refuses(slot)
+            )
+            self._reimages.add(1)
+            # On disk before the answer: the new keys are the machine's after a restart of the simulator.
+            self.state_files.append(self.state, self.state.reimage(record))
+        log.info("reimaged machine %s: a fresh disk and a new host key, booting", slot)
+        return web.json_response(self.view(slot), status=202)
+
     async def _release(self, request: web.Request) -> web.Response:
         """Take a machine back: it goes down, its disk is wiped, and its slot is free capacity again."""
         slot = request.match_info["id"]
-        async with self._create_lock:
+        async with self._change_lock:
             machine = self.machines.pop(slot, None)
             if machine is None:
                 return _error(404, f"no machine {slot}")
@@ -248,6 +314,7 @@ class Simulator:
                 "slots": len(self.slots),
                 "machines": sorted(self.state.machines),
                 "creations": self.state.creations,
+                "reimages": self.state.reimages,
                 "idempotency_keys": sorted(m.idempotency_key for m in self.state.machines.values()),
                 "faults": {**self.faults.__dict__},
             }

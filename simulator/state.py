@@ -103,15 +103,25 @@ class StateUnreadable(OSError):
 
 @dataclass
 class FleetState:
-    """The simulator's created machines and how many times each slot was created; kept as JSON across restarts."""
+    """The simulator's created machines and how many times each slot was created and reimaged; kept as JSON across
+    restarts."""
 
     machines: dict[str, MachineRecord] = field(default_factory=dict)
     # How many times each slot was actually created: more than 1 is a duplicate.
     creations: dict[str, int] = field(default_factory=dict)
+    # How many reimages each slot's machines had: a repeat of one under way counts none.
+    reimages: dict[str, int] = field(default_factory=dict)
 
     def create(self, record: MachineRecord) -> dict[str, Any]:
         """Add a created machine; the change, for the journal."""
         change = {"created": asdict(record), "creations": self.creations.get(record.machine_id, 0) + 1}
+        self.apply(change)
+        return change
+
+    def reimage(self, record: MachineRecord) -> dict[str, Any]:
+        """Replace a machine's record with the one of its reimage (its new host key and key); the change, for the
+        journal."""
+        change = {"reimaged": asdict(record), "reimages": self.reimages.get(record.machine_id, 0) + 1}
         self.apply(change)
         return change
 
@@ -128,6 +138,12 @@ class FleetState:
             record = MachineRecord(**change["created"])
             self.machines[record.machine_id] = record
             self.creations[record.machine_id] = int(change["creations"])
+        elif "reimaged" in change:
+            # The whole record, set outright as a creation's is: applied again over a snapshot where the machine was
+            # released since, it is back only until the journal's own release of it, which follows.
+            record = MachineRecord(**change["reimaged"])
+            self.machines[record.machine_id] = record
+            self.reimages[record.machine_id] = int(change["reimages"])
         elif "released" in change:
             self.machines.pop(str(change["released"]), None)
         else:
@@ -169,6 +185,8 @@ class StateFiles:
                 state = FleetState(
                     machines={str(k): MachineRecord(**v) for k, v in raw.get("machines", {}).items()},
                     creations={str(k): int(v) for k, v in raw.get("creations", {}).items()},
+                    # A snapshot from before reimages were kept has none.
+                    reimages={str(k): int(v) for k, v in raw.get("reimages", {}).items()},
                 )
             except (ValueError, TypeError, AttributeError) as error:
                 raise self._unreadable(self.path, error) from None

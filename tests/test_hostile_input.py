@@ -37,6 +37,8 @@ async def test_the_simulator_client_sends_no_request_for_an_id_of_another_form(t
         for call in (provider.get_machine, provider.reboot_machine, provider.retire_machine):
             with pytest.raises(MachineNotFound):
                 await call(provider_id)
+        with pytest.raises(MachineNotFound):
+            await provider.reimage_machine(provider_id, simulator_key())
         after = await sim_admin(simulator.api_url, "/admin/state")
         assert after == before, "no fault knob, machine or slot changed"
     finally:

@@ -8,7 +8,7 @@ import json
 import re
 import signal
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -138,3 +138,29 @@ def test_a_journal_left_beside_the_snapshot_that_holds_it_changes_nothing(tmp_pa
     files.journal_path.write_bytes(journal)
     assert files.load() == state and sorted(state.machines) == ["node-0001", "node-0002"]
     assert state.creations == {"node-0001": 1, "node-0002": 2, "node-0003": 1}
+
+
+def test_a_reimage_is_kept_as_the_machines_whole_record_and_a_snapshot_from_before_reimages_reads_back(tmp_path):
+    files = StateFiles(tmp_path / "sim-state.json")
+    state = FleetState()
+    for number in (1, 2):
+        files.append(state, state.create(record(number)))
+    reimaged = replace(record(1), ssh_public_key="ssh-ed25519 BBBB", host_key="n" * 400)
+    files.append(state, state.reimage(reimaged))
+    files.append(state, state.reimage(replace(record(2), host_key="m" * 400)))
+    files.append(state, state.release("node-0002"))
+    assert state.machines == {"node-0001": reimaged} and state.reimages == {"node-0001": 1, "node-0002": 1}
+    assert files.load() == state
+
+    # Applied again over a snapshot that holds it, the journal's reimage of the released machine stays undone.
+    journal = files.journal_path.read_bytes()
+    files.save(state)
+    files.journal_path.write_bytes(journal)
+    assert files.load() == state
+
+    # A snapshot written before reimages were kept has none: none were done.
+    snapshot = json.loads(files.path.read_bytes())
+    del snapshot["reimages"]
+    files.path.write_text(json.dumps(snapshot))
+    files.journal_path.unlink()
+    assert files.load() == replace(state, reimages={})
