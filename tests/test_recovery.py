@@ -252,3 +252,42 @@ async def test_maintenance_through_the_cli_leaves_a_machine_alone_and_takes_it_o
         kinds = [e.kind for e in await bmdb.list_events(before.machine_id)]
         assert kinds[:4] == ["agent_started", "agent_forgotten", "maintenance_off", "maintenance_on"]
         assert "rebooted" not in kinds
+
+
+async def test_past_its_budget_a_machine_is_reimaged_with_a_new_host_key_then_quarantined(
+    tmp_path, temporal_client, bmdb_url, bmdb
+):
+    watch = {**WATCH, "recovery_budget": 1, "recovery_budget_window": 3600.0}
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1, heartbeats=True, **watch) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
+
+        async def silent_again(count: int) -> None:
+            await wait_for(lambda: _heartbeating(bmdb, "node-0001"), what=f"heartbeats before kill {count}")
+            assert (await sim_admin(stack, "/admin/machines/node-0001/kill-agent", {}))["killed"] >= 1
+            await asyncio.sleep(WATCH["heartbeat_timeout"] + 1)
+            assert (await stack.run_pass()).silent == ["node-0001"]
+
+        async def recovered(count: int):
+            status = await stack.status("node-0001")
+            return status if status.recovery_count == count and status.stage is MachineStage.WATCHING else None
+
+        await silent_again(1)
+        await wait_for(lambda: recovered(1), what="the first recovery, a reboot")
+        pinned = (await heartbeat_of(stack, bmdb, "node-0001")).ssh_host_key
+
+        # The budget of one is spent: the simulator gives the machine a fresh disk and a new host key, and
+        # Shepherd pins the new key by itself.
+        await silent_again(2)
+        status = await wait_for(lambda: recovered(2), what="the reimage")
+        assert status.last_recovery_reason.endswith("its recovery budget is spent: reimaged before a quarantine")
+        record = await heartbeat_of(stack, bmdb, "node-0001")
+        assert record.ssh_host_key and record.ssh_host_key != pinned, "the new OS's host key is pinned"
+        state = await sim_admin(stack, "/admin/state", None)
+        assert state["reimages"] == {"node-0001": 1}
+        kinds = [e.kind for e in reversed(await bmdb.list_events(record.machine_id))]
+        assert kinds.count("rebooted") == 1 and kinds.count("reimaged") == 1
+
+        # Silent once more with the reimage in the window: a person looks.
+        await silent_again(3)
+        await stack.wait_for_stage(["node-0001"], MachineStage.QUARANTINED)
