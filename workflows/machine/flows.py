@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         LifecyclePolicy,
         MachineInput,
         MachineStage,
+        MachineStatus,
         Quarantine,
         RebootInput,
         RecoveryKind,
@@ -32,6 +33,10 @@ with workflow.unsafe.imports_passed_through():
     )
 
 
+# Recoveries recorded before a cycle rebooted once, recorded apart and waited for the boot ran reboot_machine.
+_REBOOT_ONCE = "reboot-once-then-wait-for-boot"
+# Recoveries recorded before the recovery budget never quarantined.
+_RECOVERY_BUDGET = "recovery-budget"
 # Recoveries past the budget recorded before reimaging existed quarantined at once.
 _REIMAGE = "reimage-before-quarantine"
 
@@ -91,6 +96,42 @@ class MachineFlows(MachineRun):
         status.quarantine = None
         status.recent_recoveries = []
         return f"{reason} (released by {by}: {released_why})"
+
+    async def _recovery_cycle(self, input: MachineInput, requested: RecoveryRequest, handed: MachineStatus) -> None:
+        """Recover the machine as asked: a reboot, or a reimage (asked for, or the budget's last resort), or a
+        quarantine until an operator releases it; handed, the next run's status, records what was done."""
+        reason = requested.describe()
+        spent = workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, requested)
+        # Past the budget, a fresh OS once before a person is called; a second time past it, the person.
+        instead_of_quarantine = spent and self._may_reimage(input.policy)
+        reimage = requested.reimage or instead_of_quarantine
+        if spent and not instead_of_quarantine:
+            reason = await self._quarantine(input, reason)
+            reimage = self._reimage_on_release
+        last_resort = f"{reason}; its recovery budget is spent: reimaged before a quarantine"
+        reimaged = reimage and await self._reimage(
+            input, last_resort if instead_of_quarantine else reason, requested.kind
+        )
+        if reimaged and instead_of_quarantine:
+            reason = last_resort
+        elif instead_of_quarantine:
+            reason = await self._quarantine(input, reason)
+        if not reimaged:
+            self._set_stage(MachineStage.RECOVERING)
+            if workflow.patched(_REBOOT_ONCE):
+                await self._recover(input, reason, requested.kind)
+            else:
+                await self._until_success(
+                    input.policy.recovery_backoff, lambda: self._reboot(input, reason, requested.kind)
+                )
+        # Requests that arrived during the reboot are answered by it.
+        handed.stage, handed.agent = MachineStage.AGENT_STARTING, None
+        handed.recovery_count += 1
+        handed.last_recovery_reason = reason
+        handed.recent_recoveries = [
+            *self._within_budget_window(input.policy),
+            RecoveryRecord(self._now(), reason, reimaged=reimaged),
+        ]
 
     def _may_reimage(self, policy: LifecyclePolicy) -> bool:
         """Whether a recovery past the budget may reimage the machine: none the budget still counts did."""

@@ -51,14 +51,9 @@ with workflow.unsafe.imports_passed_through():
         OperatorActionInput,
         OperatorRequest,
         RecoveryKind,
-        RecoveryRecord,
         RecoveryRequest,
     )
 
-# Recoveries recorded before a cycle rebooted once, recorded apart and waited for the boot ran reboot_machine.
-_REBOOT_ONCE = "reboot-once-then-wait-for-boot"
-# Recoveries recorded before the recovery budget never quarantined.
-_RECOVERY_BUDGET = "recovery-budget"
 # Signals recorded before operator actions were logged in BMDB recorded nothing.
 _ACTIONS_LOGGED = "operator-actions-logged"
 # How many operator actions the status keeps.
@@ -122,36 +117,7 @@ class MachineWorkflow(MachineFlows):
         if take_over_again:
             handed.stage, handed.agent = MachineStage.AGENT_STARTING, None
         elif status.recovery_requested is not None:
-            requested = status.recovery_requested
-            reason = requested.describe()
-            spent = workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, requested)
-            # Past the budget, a fresh OS once before a person is called; a second time past it, the person.
-            instead_of_quarantine = spent and self._may_reimage(input.policy)
-            reimage = requested.reimage or instead_of_quarantine
-            if spent and not instead_of_quarantine:
-                reason = await self._quarantine(input, reason)
-                reimage = self._reimage_on_release
-            elif instead_of_quarantine:
-                reason = f"{reason}; its recovery budget is spent: reimaged before a quarantine"
-            reimaged = reimage and await self._reimage(input, reason, requested.kind)
-            if instead_of_quarantine and not reimaged:
-                reason = await self._quarantine(input, reason)
-            if not reimaged:
-                self._set_stage(MachineStage.RECOVERING)
-                if workflow.patched(_REBOOT_ONCE):
-                    await self._recover(input, reason, requested.kind)
-                else:
-                    await self._until_success(
-                        input.policy.recovery_backoff, lambda: self._reboot(input, reason, requested.kind)
-                    )
-            # Requests that arrived during the reboot are answered by it.
-            handed.stage, handed.agent = MachineStage.AGENT_STARTING, None
-            handed.recovery_count += 1
-            handed.last_recovery_reason = reason
-            handed.recent_recoveries = [
-                *self._within_budget_window(input.policy),
-                RecoveryRecord(self._now(), reason, reimaged=reimaged),
-            ]
+            await self._recovery_cycle(input, status.recovery_requested, handed)
         # Asked while the machine rebooted: the next run would not know of it.
         self._stop_if_decommissioned()
         if self._maintenance_asked is not None:
