@@ -28,6 +28,9 @@ from providers.power import (
     PowerTimeouts,
     RebootNotConfirmed,
     bmc_lock,
+    not_back_on,
+    not_off,
+    power_reaches,
 )
 
 LOG = logging.getLogger(__name__)
@@ -134,22 +137,14 @@ class IpmiPowerControl:
             await self._set_power(bmc, "off")
             went_off = await self._wait_for(bmc, _OFF, self._timeouts.power_back)
         if not went_off:
-            raise unconfirmed(
-                self._provider,
-                f"{self._endpoint.machine} did not power off after {', then '.join(sent)} "
-                f"(waited {self._timeouts.graceful:g}s, {self._timeouts.power_back:g}s once forced; {self._bmc})",
-            )
+            raise not_off(self._provider, self._endpoint.machine, sent, self._timeouts, self._bmc, unconfirmed)
         return sent, time.monotonic() - started
 
     async def _power_on(self, bmc: Any, started: float | None = None, before: str = "was off") -> PowerReport:
         started = time.monotonic() if started is None else started
         await self._set_power(bmc, _ON)
         if not await self._wait_for(bmc, _ON, self._timeouts.power_back):
-            raise RebootNotConfirmed(
-                self._provider,
-                f"{self._endpoint.machine} {before} and did not come back on within {self._timeouts.power_back:g}s "
-                f"of power on ({self._bmc})",
-            )
+            raise not_back_on(self._provider, self._endpoint.machine, before, "power on", self._timeouts, self._bmc)
         return PowerReport(self._endpoint.address, _state_name(_ON), f"on; on after {time.monotonic() - started:.0f}s")
 
     async def _set_power(self, bmc: Any, state: str) -> None:
@@ -166,14 +161,11 @@ class IpmiPowerControl:
 
     async def _wait_for(self, bmc: Any, state: str, within: float) -> bool:
         """Read the power state until it is state (True) or `within` seconds passed (False)."""
-        deadline = time.monotonic() + within
-        while True:
-            if await self._read_power(bmc) == state:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            await asyncio.sleep(min(self._timeouts.poll, left))
+
+        async def reached() -> bool:
+            return await self._read_power(bmc) == state
+
+        return await power_reaches(reached, within, self._timeouts.poll)
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[Any]:

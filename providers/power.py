@@ -7,7 +7,9 @@ back, wait as long as these timeouts say, and take turns at one BMC within a pro
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from providers import ProviderError, ProviderUnavailable
@@ -61,3 +63,42 @@ def bmc_lock(bmc: str) -> asyncio.Lock:
     best and have few sessions."""
     per_loop = _locks.setdefault(asyncio.get_running_loop(), {})
     return per_loop.setdefault(bmc.rstrip("/").lower(), asyncio.Lock())
+
+
+async def power_reaches(reached: Callable[[], Awaitable[bool]], within: float, poll: float) -> bool:
+    """Read the power state (reached reads it and says whether it is the one waited for) until it is (True), or
+    `within` seconds passed (False)."""
+    deadline = time.monotonic() + within
+    while True:
+        if await reached():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(poll, left))
+
+
+def not_off(
+    provider: str,
+    machine: str,
+    sent: Sequence[str],
+    timeouts: PowerTimeouts,
+    bmc: str,
+    unconfirmed: type[ProviderError],
+) -> ProviderError:
+    """The error of a machine that did not show off after what was sent."""
+    return unconfirmed(
+        provider,
+        f"{machine} did not power off after {', then '.join(sent)} "
+        f"(waited {timeouts.graceful:g}s, {timeouts.power_back:g}s once forced; {bmc})",
+    )
+
+
+def not_back_on(
+    provider: str, machine: str, before: str, sent: str, timeouts: PowerTimeouts, bmc: str
+) -> ProviderError:
+    """The error of a machine that did not show on again within power_back of what was sent to power it on."""
+    return RebootNotConfirmed(
+        provider,
+        f"{machine} {before} and did not come back on within {timeouts.power_back:g}s of {sent} ({bmc})",
+    )

@@ -29,6 +29,9 @@ from providers.power import (
     PowerTimeouts,
     RebootNotConfirmed,
     bmc_lock,
+    not_back_on,
+    not_off,
+    power_reaches,
 )
 
 LOG = logging.getLogger(__name__)
@@ -136,11 +139,7 @@ class RedfishPowerControl:
             await self._reset(system, forced)
             went_off = await self._wait_for(system, down, self._timeouts.power_back)
         if not went_off:
-            raise unconfirmed(
-                self._provider,
-                f"{self._endpoint.machine} did not power off after {', then '.join(sent)} "
-                f"(waited {self._timeouts.graceful:g}s, {self._timeouts.power_back:g}s once forced; {self._bmc})",
-            )
+            raise not_off(self._provider, self._endpoint.machine, sent, self._timeouts, self._bmc, unconfirmed)
         return sent, time.monotonic() - started
 
     async def _power_on(
@@ -150,11 +149,7 @@ class RedfishPowerControl:
         started = time.monotonic() if started is None else started
         await self._reset(system, reset)
         if not await self._wait_for(system, _UP, self._timeouts.power_back):
-            raise RebootNotConfirmed(
-                self._provider,
-                f"{self._endpoint.machine} {before} and did not come back on within {self._timeouts.power_back:g}s "
-                f"of {reset.value} ({self._bmc})",
-            )
+            raise not_back_on(self._provider, self._endpoint.machine, before, reset.value, self._timeouts, self._bmc)
         return PowerReport(
             system.path, PowerState.ON.value, f"{reset.value}; on after {time.monotonic() - started:.0f}s"
         )
@@ -204,14 +199,11 @@ class RedfishPowerControl:
 
     async def _wait_for(self, system: Any, states: frozenset[PowerState], within: float) -> bool:
         """Read PowerState until it is one of states (True) or `within` seconds passed (False)."""
-        deadline = time.monotonic() + within
-        while True:
-            if await self._call(lambda: self._read_power(system)) in states:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            await asyncio.sleep(min(self._timeouts.poll, left))
+
+        async def reached() -> bool:
+            return await self._call(lambda: self._read_power(system)) in states
+
+        return await power_reaches(reached, within, self._timeouts.poll)
 
     @staticmethod
     def _read_power(system: Any) -> PowerState | None:

@@ -213,6 +213,8 @@ async def test_restart_agent_is_refused_where_no_takeover_may_run_and_needs_none
         machines=4,
         heartbeats=True,
         recovery_budget=1,
+        # The quarantine at the budget's end, as with a provider that cannot reimage.
+        reimage_before_quarantine=False,
         sim_faults=Faults(ssh_refuse=["node-0003"]),
         **WATCH,
     ) as stack:

@@ -306,6 +306,7 @@ async def test_provider_activities_run_on_the_instances_rate_limited_queue(tmp_p
         "provision_machine",
         "start_agent",
         "reboot_through_provider",
+        "reimage_through_provider",
         "wait_for_boot",
         "reboot_machine",
         "stop_agent",
