@@ -369,3 +369,20 @@ address_field = "extra/ssh_address"
 
         code, out, err = await shepherd_cli({}, "provider", "check", "rack9", "--config", str(config))
         assert code == 1 and err == "shepherd provider: no provider instance 'rack9'; configured: rack\n"
+
+
+async def test_a_clouds_yaml_cloud_names_ironic_and_its_auth(ironic, tmp_path):
+    kind = resource_class()
+    node_id = ironic.enroll(resource_class=kind)
+    clouds = tmp_path / "clouds.yaml"
+    clouds.write_text(
+        f"clouds:\n  lab:\n    auth_type: none\n    auth:\n      endpoint: {ironic.url}\n"
+        f"    baremetal_endpoint_override: {ironic.url}\n"
+    )
+    options = {**IMAGE, "cloud": "lab", "clouds_file": str(clouds), "address_field": "extra/ssh_address"}
+    # An instance name of its own: the shared Ironic holds nodes other tests' "rack" claimed, whatever their class.
+    rack = from_settings(ProviderInstance("lab", "ironic", {**options, "resource_class": kind}), Settings())
+    assert [m.provider_id for m in await rack.list_machines()] == [node_id]
+    await rack.close()
+    with pytest.raises(SettingsError, match="cloud 'elsewhere'"):
+        from_settings(ProviderInstance("rack", "ironic", {**options, "cloud": "elsewhere"}), Settings())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from PyInstaller.archive.readers import CArchiveReader, ZlibArchiveReader
 
 from agent import build, reference
 from agent import heartbeat as heartbeat_module
@@ -110,6 +111,18 @@ def test_build_is_reproducible_and_needs_no_python_on_the_machine(executable, tm
     empty_path.mkdir()
     response = run([str(again)], init.SerializeToString(), {"PATH": str(empty_path), STATE_DIR_VARIABLE: str(tmp_path)})
     assert response.success.init_message == init
+
+
+def test_the_executable_packs_what_the_agent_imports_and_nothing_else_installed_beside_it(executable, tmp_path):
+    # Whatever else shares Shepherd's environment (Ironic's test server brings numpy, yaml, psutil) stays out,
+    # even where a packed library would import it if it were there (protobuf does numpy).
+    archive = CArchiveReader(str(executable))
+    native = {name.split("/")[0] for name in archive.toc if "/" in name}
+    assert native <= {"google", "nacl", "python3.11"}, native
+    modules = tmp_path / "PYZ.pyz"
+    modules.write_bytes(archive.extract("PYZ.pyz"))
+    packed = {name.split(".")[0] for name in ZlibArchiveReader(str(modules)).toc} - set(sys.stdlib_module_names)
+    assert packed == {"agent", "proto", "google", "nacl", "h2", "hpack", "hyperframe", "typing_extensions"}, packed
 
 
 def test_zipapp_escape_hatch_builds_a_script_for_the_named_interpreter(tmp_path):
