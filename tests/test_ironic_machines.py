@@ -11,8 +11,11 @@ import os
 import subprocess
 import sys
 
+from foundation.provider_instances import ProviderInstance
+from lifecycle.contracts import Decommissioned, MachineStage
 from tests.ironic_fixtures import running_ironic
 from tests.sshd_fixtures import sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
+from tests.test_static_machines import lab_stack
 
 
 def test_dev_deploys_an_ironic_node_and_takes_its_machine_over(tmp_path, sshd):
@@ -51,3 +54,45 @@ ssh_user = "{sshd.username}"
         assert broken.returncode == 1 and "say where SSH reaches a deployed node" in broken.stderr
         refused = subprocess.run([*dev, *flags, "--chaos"], capture_output=True, text=True, env=env, timeout=60)
         assert refused.returncode == 2 and "does not go with real machines" in refused.stderr
+
+
+async def test_a_node_is_deployed_taken_over_rebooted_and_decommissioned_through_ironic(
+    tmp_path, temporal_client, bmdb_url, bmdb, sshd
+):
+    with running_ironic(tmp_path / "ironic") as ironic:
+        node = ironic.enroll(resource_class="gold", name="web-1", extra={"ssh_address": f"127.0.0.1:{sshd.port}"})
+        theirs = ironic.enroll(resource_class="gold", name="theirs", extra={"ssh_address": "127.0.0.1"})
+        instance = ironic.deploy_as_someone_else(theirs)
+        options = {
+            "endpoint": ironic.url,
+            "resource_class": "gold",
+            "image_source": "http://127.0.0.1:9/os.qcow2",
+            "address_field": "extra/ssh_address",
+            "ssh_user": sshd.username,
+        }
+        rack = ProviderInstance("rack", "ironic", options)
+        async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, {}, others=(rack,)) as stack:
+            result = await stack.run_pass("rack")
+            assert result.admitted == [node] and result.plan is not None
+            assert result.plan.left_alone == {"deployed or claimed by someone else": 1}
+            status = await stack.wait_for("rack", node, lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+            assert status.address == "127.0.0.1" and ironic.node(node)["provision_state"] == "active"
+
+            # A reboot goes through Ironic's power interface and is read back; the machine is taken over again.
+            powered = ironic.requests_logged(f"PUT /v1/nodes/{node}/states/power")
+            status = await stack.recovered("rack", node, "disk errors")
+            assert ironic.requests_logged(f"PUT /v1/nodes/{node}/states/power") == powered + 1
+
+            # A decommission undeploys the node, and Ironic has it available again, without Shepherd's mark.
+            handle = stack.machine("rack", node)
+            await handle.execute_update("decommission", {"reason": "end of lease", "by": "alice"})
+            done = await stack.client.get_workflow_handle(handle.id, result_type=Decommissioned).result()
+            assert done.provider_action == "released" and "cleaned and available again" in done.provider_detail
+            released = ironic.node(node)
+            assert released["provision_state"] == "available" and released["instance_uuid"] is None
+            assert "shepherd_provider" not in released["extra"]
+            untouched = ironic.node(theirs)
+            assert (untouched["provision_state"], untouched["instance_uuid"]) == ("active", instance)
+            [record] = await bmdb.machines_with_provider_id(node)
+            kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
+            assert "rebooted" in kinds and "decommissioned" in kinds

@@ -154,12 +154,14 @@ async def lab_stack(
     sshd: Sshd,
     inventories: dict[str, str],
     agent_target_path: str | None = None,
+    others: tuple[ProviderInstance, ...] = (),
 ) -> AsyncIterator[LabStack]:
-    """A worker and a heartbeat server managing the given inventories, one provider instance each; the agent goes
-    to agent_target_path (default: a directory of tmp_path, as the machine is this host)."""
+    """A worker and a heartbeat server managing the given inventories, one provider instance each, and the other
+    instances given; the agent goes to agent_target_path (default: a directory of tmp_path, as the machine is this
+    host)."""
     key = tmp_path / "shepherd_ssh_key"
     write_private_key(key, sshd.client_key)
-    instances = []
+    instances = list(others)
     for name, text in inventories.items():
         (tmp_path / f"{name}.toml").write_text(text)
         options: dict[str, Any] = {"inventory": str(tmp_path / f"{name}.toml")}
