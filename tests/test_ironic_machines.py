@@ -7,14 +7,19 @@ loopback, which Shepherd finds through the node's extra/ssh_address, as an opera
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import asyncssh
 
 from foundation.provider_instances import ProviderInstance
 from lifecycle.contracts import Decommissioned, MachineStage
 from tests.ironic_fixtures import running_ironic
-from tests.sshd_fixtures import sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
+from tests.sshd_fixtures import running_sshd, sshd_fixture, write_private_key  # noqa: F401 (sshd_fixture)
 from tests.test_static_machines import lab_stack
 
 
@@ -96,3 +101,51 @@ async def test_a_node_is_deployed_taken_over_rebooted_and_decommissioned_through
             [record] = await bmdb.machines_with_provider_id(node)
             kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
             assert "rebooted" in kinds and "decommissioned" in kinds
+
+
+async def test_a_reimage_rebuilds_the_node_and_the_new_host_key_is_pinned_by_shepherd(
+    tmp_path, temporal_client, bmdb_url, bmdb
+):
+    machine = tmp_path / "machine-sshd"
+    machine.mkdir()
+    with running_sshd(machine) as sshd, running_ironic(tmp_path / "ironic") as ironic:
+        node = ironic.enroll(resource_class="gold", name="web-1", extra={"ssh_address": f"127.0.0.1:{sshd.port}"})
+        options = {
+            "endpoint": ironic.url,
+            "resource_class": "gold",
+            "image_source": "http://127.0.0.1:9/os.qcow2",
+            "address_field": "extra/ssh_address",
+            "ssh_user": sshd.username,
+        }
+        rack = ProviderInstance("rack", "ironic", options)
+        async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, {}, others=(rack,)) as stack:
+            await stack.run_pass("rack")
+            await stack.wait_for("rack", node, lambda s: s.stage is MachineStage.WATCHING, "WATCHING")
+            [record] = await bmdb.machines_with_provider_id(node)
+            assert record.ssh_host_key == sshd.host_key
+
+            # The hardware's part, played by the test: once Ironic rebuilds the node, the machine behind it comes
+            # up with a new OS, and so with a new host key.
+            new_key = asyncssh.generate_private_key("ssh-ed25519")
+
+            def new_os() -> None:
+                while ironic.node(node)["provision_state"] == "active":
+                    time.sleep(0.05)
+                (machine / "host_key").unlink()
+                write_private_key(machine / "host_key", new_key)
+                # sshd reads its host keys again when told to hang up, as a new boot would.
+                os.kill(int((machine / "sshd.pid").read_text()), signal.SIGHUP)
+
+            rebuilt = asyncio.create_task(asyncio.to_thread(new_os))
+            handle = stack.machine("rack", node)
+            await handle.signal("force_recover", {"reason": "corrupt root fs", "by": "alice", "reimage": True})
+            status = await stack.wait_for(
+                "rack", node, lambda s: s.recovery_count == 1 and s.stage is MachineStage.WATCHING, "reimaged"
+            )
+            await rebuilt
+            assert status.last_recovery_reason == "forced reimage: corrupt root fs (by alice)"
+            assert ironic.requests_logged(f"PUT /v1/nodes/{node}/states/provision") == 4, "provide, deploy, rebuild"
+            [record] = await bmdb.machines_with_provider_id(node)
+            assert record.ssh_host_key == new_key.export_public_key("openssh").decode().strip()
+            kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
+            assert "reimaged" in kinds and "reimage_forced" in kinds
