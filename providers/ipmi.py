@@ -28,9 +28,11 @@ from providers.power import (
     PowerTimeouts,
     RebootNotConfirmed,
     bmc_lock,
+    leaks,
     not_back_on,
     not_off,
     power_reaches,
+    scrubbed,
 )
 
 LOG = logging.getLogger(__name__)
@@ -218,7 +220,7 @@ class IpmiPowerControl:
         try:
             bmc.ipmi_session.logout()
         except (pyghmi_exc.PyghmiException, OSError, *_MALFORMED) as exc:
-            LOG.warning("could not log out of %s: %s", self._where, self._scrub(str(exc)))
+            LOG.warning("could not log out of %s: %s", self._where, scrubbed(self._endpoint.password, str(exc)))
 
     async def _call(self, call: Callable[[], T]) -> T:
         """Run one blocking pyghmi call in a thread, its errors as ProviderErrors."""
@@ -227,19 +229,21 @@ class IpmiPowerControl:
         except (pyghmi_exc.PyghmiException, OSError, *_MALFORMED) as exc:
             error = self._translate(exc)
             # A cause whose text carries the password must not reach a traceback.
-            raise error from (None if self._leaks(str(exc)) else exc)
+            raise error from (None if leaks(self._endpoint.password, str(exc)) else exc)
 
     def _translate(self, exc: BaseException) -> ProviderError:
         if isinstance(exc, _MALFORMED):
             return ProviderProtocolError(
                 self._provider,
                 f"{self._where} answered what IPMI does not promise, and pyghmi could not take it apart: "
-                f"{self._scrub(str(exc)) or type(exc).__name__}",
+                f"{scrubbed(self._endpoint.password, str(exc)) or type(exc).__name__}",
             )
         if isinstance(exc, OSError):
-            return BmcUnavailable(self._provider, f"{self._where} is unavailable: {self._scrub(str(exc))}")
+            return BmcUnavailable(
+                self._provider, f"{self._where} is unavailable: {scrubbed(self._endpoint.password, str(exc))}"
+            )
         # pyghmi gives up on a silent BMC with an IpmiException without words (its text is then "None").
-        said = self._scrub(str(exc.args[0])) if exc.args and exc.args[0] else ""
+        said = scrubbed(self._endpoint.password, str(exc.args[0])) if exc.args and exc.args[0] else ""
         if any(words in said for words in _REFUSED):
             return BmcCredentialsRejected(
                 self._provider,
@@ -253,12 +257,6 @@ class IpmiPowerControl:
         return ProviderProtocolError(
             self._provider, f"{self._where} answered what IPMI does not promise: {said or type(exc).__name__}"
         )
-
-    def _leaks(self, text: str) -> bool:
-        return bool(self._endpoint.password) and self._endpoint.password in text
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._endpoint.password, "***") if self._endpoint.password else text
 
 
 def _state_name(state: str) -> str:

@@ -102,3 +102,13 @@ def not_back_on(
         provider,
         f"{machine} {before} and did not come back on within {timeouts.power_back:g}s of {sent} ({bmc})",
     )
+
+
+def leaks(password: str, text: str) -> bool:
+    """Whether a library's message holds the BMC password, so it must not travel on as an exception's cause."""
+    return bool(password) and password in text
+
+
+def scrubbed(password: str, text: str) -> str:
+    """A library's message with the BMC password, if it holds it, replaced by stars."""
+    return text.replace(password, "***") if password else text

@@ -29,9 +29,11 @@ from providers.power import (
     PowerTimeouts,
     RebootNotConfirmed,
     bmc_lock,
+    leaks,
     not_back_on,
     not_off,
     power_reaches,
+    scrubbed,
 )
 
 LOG = logging.getLogger(__name__)
@@ -265,7 +267,7 @@ class RedfishPowerControl:
         try:
             auth.close()
         except (sushy_exc.SushyError, ValueError) as exc:
-            LOG.warning("could not log out of %s: %s", self._where, self._scrub(str(exc)))
+            LOG.warning("could not log out of %s: %s", self._where, scrubbed(self._endpoint.password, str(exc)))
 
     async def _call(self, call: Callable[[], T]) -> T:
         """Run one blocking sushy call in a thread, its errors as ProviderErrors."""
@@ -274,10 +276,10 @@ class RedfishPowerControl:
         except (sushy_exc.SushyError, ValueError) as exc:
             error = self._translate(exc)
             # A cause whose text carries the password must not reach a traceback.
-            raise error from (None if self._leaks(str(exc)) else exc)
+            raise error from (None if leaks(self._endpoint.password, str(exc)) else exc)
 
     def _translate(self, exc: Exception) -> ProviderError:
-        cause = self._scrub(str(exc))
+        cause = scrubbed(self._endpoint.password, str(exc))
         status = getattr(exc, "status_code", None)
         if isinstance(exc, sushy_exc.AccessError):
             return BmcCredentialsRejected(
@@ -290,9 +292,3 @@ class RedfishPowerControl:
         ):
             return BmcUnavailable(self._provider, f"{self._where} is unavailable: {cause}")
         return ProviderProtocolError(self._provider, f"{self._where} answered what Redfish does not promise: {cause}")
-
-    def _leaks(self, text: str) -> bool:
-        return bool(self._endpoint.password) and self._endpoint.password in text
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._endpoint.password, "***") if self._endpoint.password else text
