@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from temporalio import activity
+from temporalio.common import MetricCounter
 
 from activities.deps import ActivityDeps, provider_errors
 from lifecycle.contracts import (
@@ -28,6 +31,8 @@ from lifecycle.takeover import wait_until_booted
 from providers import Reimager
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # How often a rebooted machine's SSH port is tried while it boots.
 BOOT_POLL_SECONDS = 2.0
@@ -51,14 +56,11 @@ class RecoveryActivities:
                 "%s machine %s: recovery cycle %s rebooted it already", input.provider, input.provider_id, input.cycle
             )
             return RebootResult(went_down=True, detail=f"rebooted already in recovery cycle {input.cycle}")
-        cause = _cause_label(input.kind)
-        try:
-            async with provider_errors():
-                rebooted = await self.deps.provider(input.provider).reboot_machine(input.provider_id)
-        except Exception:
-            self.deps.metrics.reboots.add(1, {"cause": cause, "outcome": "error"})
-            raise
-        self.deps.metrics.reboots.add(1, {"cause": cause, "outcome": "ok"})
+        rebooted = await _counted(
+            self.deps.metrics.reboots,
+            input.kind,
+            lambda: self.deps.provider(input.provider).reboot_machine(input.provider_id),
+        )
         log.info("rebooted %s machine %s: %s (%s)", input.provider, input.provider_id, input.cause, rebooted.detail)
         return RebootResult(went_down=rebooted.went_down, detail=rebooted.detail)
 
@@ -78,14 +80,11 @@ class RecoveryActivities:
             return ReimageResult(False, "reimage_before_quarantine is off")
         if await self.deps.bmdb.reboot_recorded(uuid.UUID(input.machine_id), input.cycle):
             return ReimageResult(True, f"reimaged already in recovery cycle {input.cycle}")
-        cause = _cause_label(input.kind)
-        try:
-            async with provider_errors():
-                reimaged = await provider.reimage_machine(input.provider_id, self.deps.ssh_public_key)
-        except Exception:
-            self.deps.metrics.reimages.add(1, {"cause": cause, "outcome": "error"})
-            raise
-        self.deps.metrics.reimages.add(1, {"cause": cause, "outcome": "ok"})
+        reimaged = await _counted(
+            self.deps.metrics.reimages,
+            input.kind,
+            lambda: provider.reimage_machine(input.provider_id, self.deps.ssh_public_key),
+        )
         log.info("reimaged %s machine %s: %s (%s)", input.provider, input.provider_id, input.cause, reimaged.detail)
         return ReimageResult(True, reimaged.detail)
 
@@ -176,6 +175,20 @@ class RecoveryActivities:
         """Reboot and record in one step, as recoveries begun before the split run it; run twice, it reboots twice."""
         await self.reboot_through_provider(input)
         await self.deps.bmdb.forget_agent(uuid.UUID(input.machine_id), f"rebooted: {input.cause}")
+
+
+async def _counted(counter: MetricCounter, kind: RecoveryKind | None, call: Callable[[], Awaitable[T]]) -> T:
+    """What the provider call answered, counted by the recovery's cause and the outcome (ok or error); a provider
+    error that retrying cannot mend becomes a non-retryable activity error."""
+    cause = _cause_label(kind)
+    try:
+        async with provider_errors():
+            answer = await call()
+    except Exception:
+        counter.add(1, {"cause": cause, "outcome": "error"})
+        raise
+    counter.add(1, {"cause": cause, "outcome": "ok"})
+    return answer
 
 
 def _cause_label(kind: RecoveryKind | None) -> str:

@@ -152,14 +152,11 @@ class IronicProvider:
         machines: list[ProviderMachine] = []
         left_alone: Counter[str] = Counter()
         for node in await self.api.nodes():
-            if self.is_ours(node) or self._is_retiring(node):
-                machines.append(self._machine(node, Availability.KNOWN_USED))
-                continue
-            reason = self.why_not_capacity(node)
-            if reason is None:
-                machines.append(self._machine(node, Availability.KNOWN_UNUSED))
+            seen = self._seen(node)
+            if isinstance(seen, str):
+                left_alone[seen] += 1
             else:
-                left_alone[reason] += 1
+                machines.append(seen)
         if left_alone != self.left_alone and left_alone:
             log.info(
                 "provider %s leaves %d Ironic nodes alone: %s",
@@ -172,12 +169,17 @@ class IronicProvider:
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
         """One node as Shepherd sees it; MachineNotFound when it is neither Shepherd's nor free capacity."""
-        node = await self._node(provider_id)
+        seen = self._seen(await self._node(provider_id))
+        if isinstance(seen, str):
+            raise MachineNotFound(self.name, provider_id)
+        return seen
+
+    def _seen(self, node: Node) -> ProviderMachine | str:
+        """The node as Shepherd sees it: its machine (Shepherd's, or free capacity), or why it is left alone."""
         if self.is_ours(node) or self._is_retiring(node):
             return self._machine(node, Availability.KNOWN_USED)
-        if self.why_not_capacity(node) is None:
-            return self._machine(node, Availability.KNOWN_UNUSED)
-        raise MachineNotFound(self.name, provider_id)
+        reason = self.why_not_capacity(node)
+        return reason if reason is not None else self._machine(node, Availability.KNOWN_UNUSED)
 
     async def _node(self, provider_id: str) -> Node:
         """The node of that UUID; MachineNotFound for an id of the wrong form, without asking Ironic."""
@@ -194,11 +196,7 @@ class IronicProvider:
         instance_uuid = instance_uuid_for(idempotency_key)
         node = await self._claimed(await self._node(provider_id), instance_uuid)
         if node.maintenance:
-            raise MaintenanceHold(
-                self.name,
-                f"{node.label()} is in Ironic's maintenance ({node.maintenance_reason or 'no reason given'}): "
-                "Shepherd deploys it once an operator lifts it (`baremetal node maintenance unset`)",
-            )
+            raise self._held(node, "Shepherd deploys it once an operator lifts it (`baremetal node maintenance unset`)")
         state = node.provision_state
         if state == "available":
             await self._deploy(node, instance_uuid, ssh_public_key)
@@ -212,6 +210,11 @@ class IronicProvider:
         raise CapacityConflict(
             self.name, f"{node.label()} is {state} since Shepherd claimed it, not deployable: look at it in Ironic"
         )
+
+    def _held(self, node: Node, then: str) -> MaintenanceHold:
+        """The error of a node Ironic holds in its maintenance, saying why and what Shepherd does once it ends."""
+        why = node.maintenance_reason or "no reason given"
+        return MaintenanceHold(self.name, f"{node.label()} is in Ironic's maintenance ({why}): {then}")
 
     async def _claimed(self, node: Node, instance_uuid: str) -> Node:
         """The node, claimed for instance_uuid by this call or an earlier one; CapacityConflict when it is another's."""
@@ -304,9 +307,7 @@ class IronicProvider:
         if not self.is_ours(node):
             raise CapacityConflict(self.name, f"{node.label()} is not Shepherd's: not rebuilt")
         if node.maintenance:
-            raise MaintenanceHold(
-                self.name, f"{node.label()} is in Ironic's maintenance ({node.maintenance_reason or 'no reason given'})"
-            )
+            raise self._held(node, "Shepherd rebuilds it once an operator lifts it")
         if node.provision_state == "rebuild" or node.provision_state in DEPLOYING:
             return Reimaged(f"Ironic is at it already: {node.label()} is {node.provision_state}")
         if node.provision_state not in ("active", "deploy failed"):
