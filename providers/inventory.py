@@ -6,7 +6,6 @@ password stays in a file only its owner reads, or in a variable, until the BMC i
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import tomllib
 from dataclasses import dataclass
@@ -16,13 +15,13 @@ from typing import Any
 from foundation.secret_files import secret_file_problem
 from providers import Availability, ProviderMachine
 from providers.inventory_bmc import (
-    HOSTNAME,
     BMCConfig,
     InventoryError,
     Refusal,
     bmc_config,
     known_keys,
 )
+from providers.ssh_address import parse_ssh_address
 
 INVENTORY_ID = re.compile(r"[A-Za-z0-9._-]{1,63}")
 _USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}")
@@ -164,27 +163,8 @@ def _ssh_address(value: Any) -> tuple[str, int]:
     """(host, port) of host[:port] or [IPv6]:port; host without brackets, as SSH clients take it."""
     if value is None:
         raise Refusal("missing ssh (host[:port])")
-    if not isinstance(value, str):
-        raise Refusal(f"ssh must be a string host[:port], got {value!r}")
-    bad = Refusal(f"ssh must be host[:port] or [IPv6]:port, got {value!r}")
-    if value.startswith("["):
-        host, bracket, rest = value[1:].partition("]")
-        if not bracket or (rest and not rest.startswith(":")):
-            raise bad
-        port_text = rest[1:] if rest else None
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise Refusal(f"ssh: {host!r} is not an IPv6 address") from None
-    elif value.count(":") > 1:
-        raise Refusal(f"ssh: an IPv6 address goes in brackets, [{value}] or [{value}]:22")
-    else:
-        host, colon, port_text_or_empty = value.partition(":")
-        port_text = port_text_or_empty if colon else None
-        if not HOSTNAME.fullmatch(host):
-            raise bad
-    if port_text is None:
-        return host, 22
-    if not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise Refusal(f"ssh: port must be 1-65535, got {port_text!r} in {value!r}")
-    return host, int(port_text)
+    try:
+        host, port = parse_ssh_address(value, "ssh")
+    except ValueError as problem:
+        raise Refusal(str(problem)) from None
+    return host, port or 22

@@ -18,8 +18,8 @@ from foundation.secret_files import SecretFileError, read_secret_file
 from providers import ProviderError
 from providers.ipmi import DEFAULT_PORT, IpmiEndpoint
 from providers.redfish import RedfishEndpoint
+from providers.ssh_address import HOSTNAME
 
-HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LOGIN_KEYS = ("username", "password_file", "password_env")
 # The keys of a [machines.bmc] table by its type; a key of the other type is refused by name.

@@ -8,7 +8,6 @@ SSH reaches a deployed node (a node field the operator names, or a DNS name made
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import string
@@ -21,6 +20,7 @@ from foundation.provider_instances import ProviderInstance
 from foundation.secret_files import SecretFileError, read_secret_file
 from foundation.setting_values import SettingsError
 from providers.registry import duration_option, unknown_options
+from providers.ssh_address import parse_ssh_address
 
 OPTIONS = (
     "endpoint",
@@ -260,30 +260,8 @@ def _check_template(template: str, error: Any) -> None:
 
 
 def parse_address(value: Any, node: str, source: str) -> tuple[str, int | None]:
-    """(host, port or None) of an address read from a node: host, host:port or [v6]:port; ValueError saying why."""
+    """(host, port or None) of an address read from a node: host, host:port, [v6]:port or a bare IPv6 address;
+    ValueError naming the node and where the address came from."""
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{node}: {source} must be a host name or address, got {value!r}")
-    value = value.strip()
-    host, port = value, None
-    if value.startswith("["):
-        inside, _, rest = value[1:].partition("]")
-        host = inside
-        if rest:
-            if not rest.startswith(":") or not rest[1:].isdigit():
-                raise ValueError(f"{node}: {source} {value!r} is not [address]:port")
-            port = int(rest[1:])
-    elif value.count(":") == 1:
-        host, _, port_text = value.partition(":")
-        if not port_text.isdigit():
-            raise ValueError(f"{node}: {source} {value!r} has a port that is not a number")
-        port = int(port_text)
-    if port is not None and not 0 < port < 65536:
-        raise ValueError(f"{node}: {source} {value!r} has no valid port")
-    if ":" in host:
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{node}: {source} {value!r} is not a host name or address") from None
-    elif not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
-        raise ValueError(f"{node}: {source} {value!r} is not a host name or address")
-    return host, port
+    return parse_ssh_address(value.strip(), f"{node}: {source}", bare_ipv6=True)
