@@ -91,10 +91,6 @@ class NodeConflict(ProviderError):
 
     retryable = False
 
-    def __init__(self, provider: str, message: str, fault: str) -> None:
-        super().__init__(provider, message)
-        self.fault = fault
-
 
 @dataclass(frozen=True)
 class Node:
@@ -318,7 +314,7 @@ class IronicAPI:
             if "locked" in fault.lower():
                 # Another operation holds the node's lock for a moment: the next try usually gets it.
                 raise ProviderUnavailable(self.provider, f"{where}: the node is busy: {fault}")
-            raise NodeConflict(self.provider, f"{where}: Ironic refused: {fault}", fault)
+            raise NodeConflict(self.provider, f"{where}: Ironic refused: {fault}")
         if status == 429 or status >= 500:
             raise ProviderUnavailable(self.provider, f"{where}: Ironic answered HTTP {status}: {fault}")
         raise ProviderProtocolError(self.provider, f"{where}: Ironic answered HTTP {status}: {fault}")
