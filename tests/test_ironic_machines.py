@@ -128,13 +128,25 @@ async def test_a_reimage_rebuilds_the_node_and_the_new_host_key_is_pinned_by_she
             # up with a new OS, and so with a new host key.
             new_key = asyncssh.generate_private_key("ssh-ed25519")
 
+            asked = ironic.requests_logged(f"PUT /v1/nodes/{node}/states/provision")
+
             def new_os() -> None:
-                while ironic.node(node)["provision_state"] == "active":
+                # Told by Ironic's log rather than the node's state: a rebuild of fake hardware may be over before
+                # a poll of the state sees it under way.
+                deadline = time.monotonic() + 90
+                while ironic.requests_logged(f"PUT /v1/nodes/{node}/states/provision") == asked:
+                    if time.monotonic() > deadline:
+                        raise AssertionError("Ironic was never asked to rebuild the node")
                     time.sleep(0.05)
+                # The machine goes down for its new OS: sshd stopped answers no SSH version line, longer than the
+                # boot wait's 2 s between tries, and comes back reading a new host key, as a new boot would.
+                sshd_pid = int((machine / "sshd.pid").read_text())
+                os.kill(sshd_pid, signal.SIGSTOP)
                 (machine / "host_key").unlink()
                 write_private_key(machine / "host_key", new_key)
-                # sshd reads its host keys again when told to hang up, as a new boot would.
-                os.kill(int((machine / "sshd.pid").read_text()), signal.SIGHUP)
+                time.sleep(5)
+                os.kill(sshd_pid, signal.SIGCONT)
+                os.kill(sshd_pid, signal.SIGHUP)
 
             rebuilt = asyncio.create_task(asyncio.to_thread(new_os))
             handle = stack.machine("rack", node)
