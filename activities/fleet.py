@@ -204,6 +204,10 @@ class FleetActivities:
         return (await self.watch_silent_machines(input)).signalled
 
     async def _signal_silent(self, provider: str, silent: Sequence[SilentMachine]) -> list[str]:
+        # Logged before the signals: the recovery (or quarantine) a signal starts writes its own events at once,
+        # and the log must tell the cause before its effect.
+        await self.deps.bmdb.record_heartbeats_lost(silent)
+
         async def signal(machine: SilentMachine) -> str | None:
             handle = self.deps.client.get_workflow_handle(machine_workflow_id(provider, machine.provider_id))
             try:
@@ -216,8 +220,6 @@ class FleetActivities:
             return machine.provider_id
 
         signalled = [p for p in await each_at_most(silent, TEMPORAL_CALLS_IN_FLIGHT, signal) if p is not None]
-        told = set(signalled)
-        await self.deps.bmdb.record_heartbeats_lost([m for m in silent if m.provider_id in told])
         if signalled:
             log.info("agents silent on %d machine(s): %s", len(signalled), ", ".join(signalled[:20]))
         return signalled
