@@ -13,6 +13,7 @@ and On again 1 to 11 s later; On shows after the same kind of delay.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import subprocess
 import sys
@@ -98,7 +99,9 @@ def running_bmc(directory: Path, systems: list[dict[str, object]]) -> Iterator[B
     log_path = directory / "emulator.log"
     with log_path.open("wb") as log:
         command = [str(EMULATOR), "--fake", "--config", str(directory / "emulator.conf"), "-i", "127.0.0.1"]
-        process = subprocess.Popen([*command, "-p", str(port)], stdout=log, stderr=log)
+        # Virtual media the emulator downloads land in its temporary directory: here, not the host's /tmp.
+        environment = {**os.environ, "TMPDIR": str(directory)}
+        process = subprocess.Popen([*command, "-p", str(port)], stdout=log, stderr=log, env=environment)
     try:
         wait_until_answering(process, url, log_path)
         yield Bmc(

@@ -2,19 +2,26 @@
 
 Import the fixture into a test module to use it: ``from tests.ironic_fixtures import ironic_fixture  # noqa: F401``;
 tests then take an ``ironic`` argument. The server is started once per session on a free loopback port with
-``fake-hardware`` nodes enabled (and ``redfish`` ones, for nodes whose BMC is sushy-emulator). The helpers here talk
-to Ironic's REST API with requests, past the code under test, to set nodes up and to look at what Shepherd did.
+``fake-hardware`` nodes enabled (and ``redfish`` ones, for nodes whose BMC is sushy-emulator, with the HTTP server
+that its conductor publishes virtual media on: ``Ironic.files``). The helpers here talk to Ironic's REST API with
+requests, past the code under test, to set nodes up and to look at what Shepherd did.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
+import functools
 import gzip
 import json
+import os
+import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,7 +42,9 @@ MICROVERSION = {"X-OpenStack-Ironic-API-Version": "1.56"}
 CALLBACK_TIMEOUT = 2
 
 # The known-good standalone configuration; every *_interfaces list is set, or Ironic loads the ipmitool vendor
-# interface and refuses to start without the ipmitool binary.
+# interface and refuses to start without the ipmitool binary. A node enrolled with inspect_interface = agent is
+# inspected as Ironic's in-band inspection does it; its boot is left to a PXE environment of the site's
+# (require_managed_boot = false), since a fake-hardware node's boot interface boots no ramdisk.
 CONFIG = """\
 [DEFAULT]
 auth_strategy = {auth_strategy}
@@ -46,7 +55,7 @@ enabled_management_interfaces = fake,redfish
 enabled_deploy_interfaces = fake,ramdisk,direct
 enabled_boot_interfaces = fake,redfish-virtual-media
 enabled_network_interfaces = noop
-enabled_inspect_interfaces = no-inspect,fake,redfish
+enabled_inspect_interfaces = no-inspect,fake,redfish,agent
 enabled_vendor_interfaces = no-vendor,fake,redfish
 enabled_console_interfaces = no-console,fake
 enabled_raid_interfaces = no-raid,fake
@@ -68,9 +77,30 @@ automated_clean = false
 deploy_callback_timeout = {callback_timeout}
 check_provision_state_interval = 1
 sync_power_state_interval = -1
+[inspector]
+require_managed_boot = false
+[deploy]
+http_url = {files_url}
+http_root = {state}/httpboot
 [oslo_concurrency]
 lock_path = {state}/locks
 """
+
+
+@dataclass
+class FileServer:
+    """The HTTP server of Ironic's conductor ([deploy] http_url, serving http_root): Python's http.server on loopback.
+    Ironic publishes there what a BMC downloads for virtual media (a node's config drive); a test puts there what its
+    nodes boot (a boot ISO)."""
+
+    root: Path
+    url: str
+    log: Path  # a line for every request
+    process: subprocess.Popen[bytes]
+
+    def downloads(self, path: str) -> int:
+        """How many times path (such as /boot.iso) was downloaded."""
+        return self.log.read_text(errors="replace").count(f'"GET {path} HTTP/')
 
 
 @dataclass
@@ -80,6 +110,7 @@ class Ironic:
     log: Path
     process: subprocess.Popen[bytes]
     auth: tuple[str, str] | None = None  # HTTP basic credentials, when it asks for them
+    files: FileServer | None = None  # its HTTP server, for what BMCs download
 
     def api(self, method: str, path: str, body: Any = None, *, ok: tuple[int, ...] = (200, 201, 202, 204)) -> Any:
         """One call to the API, past the code under test; its JSON answer."""
@@ -124,6 +155,36 @@ class Ironic:
             self.wait_for(node_id, "available")
         return node_id
 
+    def inspect(self, node_id: str, inventory: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """Inspect a manageable node (inspect_interface agent) through Ironic's own inspection: Ironic starts it and
+        waits in inspect wait; the inventory is posted to /v1/continue_inspection as the ramdisk's agent posts what it
+        found, standing in for the machine; Ironic's hooks process and store it. The node once it is manageable."""
+        self.api("PUT", f"/nodes/{node_id}/states/provision", {"target": "inspect"})
+        deadline = time.monotonic() + timeout
+        while self.node(node_id)["provision_state"] != "inspect wait":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node {node_id} never waited for its inspection: {self.node(node_id)}")
+            time.sleep(0.1)
+        answer = requests.post(
+            f"{self.url}/v1/continue_inspection",
+            params={"node_uuid": node_id},
+            json={"inventory": inventory},
+            headers={"X-OpenStack-Ironic-API-Version": "1.84"},
+            auth=self.auth,
+            timeout=30,
+        )
+        if answer.status_code != 202:
+            raise AssertionError(f"continue_inspection: HTTP {answer.status_code}: {answer.text[:300]}")
+        while (node := self.node(node_id))["provision_state"] in ("inspect wait", "inspecting"):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node {node_id} is still {node['provision_state']}")
+            time.sleep(0.1)
+        if node["provision_state"] != "manageable":
+            raise AssertionError(
+                f"node {node_id} is {node['provision_state']} after its inspection: {node['last_error']}"
+            )
+        return node
+
     def deploy_as_someone_else(self, node_id: str) -> str:
         """Claim and deploy the node as another user of Ironic would (a Nova instance, say); its instance UUID."""
         instance = str(uuid.uuid4())
@@ -153,10 +214,11 @@ class Ironic:
 def running_ironic(
     directory: Path, *, basic_auth: tuple[str, str] | None = None, port: int | None = None
 ) -> Iterator[Ironic]:
-    """An Ironic on a free loopback port (or port) with its state in directory, kept from an earlier run there;
-    with basic_auth, it asks for that user."""
+    """An Ironic on a free loopback port (or port) with its state in directory, kept from an earlier run there, and
+    the HTTP server its conductor publishes virtual media on; with basic_auth, it asks for that user."""
     (directory / "locks").mkdir(parents=True, exist_ok=True)
     port = port or free_port()
+    files_port = free_port()
     settings = ""
     if basic_auth is not None:
         users = directory / "htpasswd"
@@ -171,25 +233,63 @@ def running_ironic(
             port=port,
             state=directory,
             callback_timeout=CALLBACK_TIMEOUT,
+            files_url=f"http://127.0.0.1:{files_port}",
         )
     )
     if not (directory / "ironic.sqlite").exists():
-        create_schema = [str(BIN / "ironic-dbsync"), "--config-file", str(config), "create_schema"]
-        subprocess.run(create_schema, check=True, capture_output=True, timeout=120)
+        shutil.copyfile(_empty_database(), directory / "ironic.sqlite")
+    files = serving_files(directory / "httpboot", files_port)
     log = directory / "ironic.log"
     with log.open("ab") as output:
-        process = subprocess.Popen([BIN / "ironic", "--config-file", config], stdout=output, stderr=subprocess.STDOUT)
-    ironic = Ironic(f"http://127.0.0.1:{port}", directory, log, process, basic_auth)
+        # A session of its own: its conductor and API are forked workers, stopped with it as one group.
+        command = [str(BIN / "ironic"), "--config-file", str(config)]
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    ironic = Ironic(f"http://127.0.0.1:{port}", directory, log, process, basic_auth, files)
     try:
         wait_until_answering(ironic)
         yield ironic
     finally:
-        process.terminate()
+        files.process.terminate()
+        files.process.wait()
+        # Killed, not asked to stop: Ironic's graceful stop takes seconds a test need not wait, and its state is
+        # SQLite's, whole after every commit, as after a power loss of its host.
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@functools.cache
+def _empty_database() -> Path:
+    """Ironic's SQLite database with its schema and no node, made once a process by ironic-dbsync; every Ironic
+    started afresh gets a copy."""
+    directory = Path(tempfile.mkdtemp(prefix="ironic-schema-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    config = directory / "ironic.conf"
+    config.write_text(f"[database]\nconnection = sqlite:///{directory}/ironic.sqlite\n")
+    create_schema = [str(BIN / "ironic-dbsync"), "--config-file", str(config), "create_schema"]
+    subprocess.run(create_schema, check=True, capture_output=True, timeout=120)
+    return directory / "ironic.sqlite"
+
+
+def serving_files(root: Path, port: int) -> FileServer:
+    """Python's http.server serving root on the loopback port, started; RuntimeError with its log if it does not
+    answer."""
+    root.mkdir(exist_ok=True)
+    log = root.parent / "httpboot.log"
+    with log.open("ab") as output:
+        command = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(root), str(port)]
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    files = FileServer(root, f"http://127.0.0.1:{port}", log, process)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
         try:
-            process.wait(timeout=2)
-        except subprocess.TimeoutExpired:
+            requests.head(files.url, timeout=2)
+            return files
+        except requests.RequestException:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            process.wait()
+            raise RuntimeError(f"http.server did not answer at {files.url}: {log.read_text()[-3000:]}")
+        time.sleep(0.05)
 
 
 def wait_until_answering(ironic: Ironic) -> None:

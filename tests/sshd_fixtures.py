@@ -64,13 +64,14 @@ def wait_until_listening(process: subprocess.Popen[bytes], port: int, log: Path)
 
 
 @contextmanager
-def running_sshd(directory: Path, extra_config: str = "") -> Iterator[Sshd]:
+def running_sshd(directory: Path, extra_config: str = "", client_key: asyncssh.SSHKey | None = None) -> Iterator[Sshd]:
     """sshd as the current user on a free loopback port, configured in directory (plus extra_config), accepting
-    only a client key of its own; stopped, with every agent started through it, on leaving."""
+    only a client key of its own (or client_key, for machines that all let one Shepherd in); stopped, with every
+    agent started through it, on leaving."""
     if not SSHD.exists():
         pytest.skip(f"OpenSSH's sshd is not installed at {SSHD} (Debian package openssh-server)")
     host_key = asyncssh.generate_private_key("ssh-ed25519")
-    client_key = asyncssh.generate_private_key("ssh-ed25519")
+    client_key = client_key or asyncssh.generate_private_key("ssh-ed25519")
     write_private_key(directory / "host_key", host_key)
     (directory / "authorized_keys").write_bytes(client_key.export_public_key("openssh"))
     port = free_port()
@@ -151,6 +152,27 @@ def bare_machine_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     try:
         _build_bare_root(root, mounts)
         with running_sshd(tmp_path_factory.mktemp("bare-sshd"), f"ChrootDirectory {root}\n") as sshd:
+            yield BareMachine(sshd=sshd, root=root)
+    finally:
+        for mount in reversed(mounts):
+            subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def running_bare_machine(directory: Path, client_key: asyncssh.SSHKey | None = None) -> Iterator[BareMachine]:
+    """One more bare machine, as the bare_machine fixture builds it, with its own root and its sshd configured in
+    directory (its host key there, its pid in sshd.pid), on a port of its own; with client_key, several such
+    machines let one Shepherd in. Needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("a chrooted sshd and its mounts need root")
+    if not BUSYBOX.exists():
+        pytest.skip(f"busybox is not installed at {BUSYBOX} (Debian package busybox-static)")
+    root = Path(tempfile.mkdtemp(prefix="shepherd-bare-machine-", dir="/run"))
+    mounts: list[Path] = []
+    try:
+        _build_bare_root(root, mounts)
+        with running_sshd(directory, f"ChrootDirectory {root}\n", client_key) as sshd:
             yield BareMachine(sshd=sshd, root=root)
     finally:
         for mount in reversed(mounts):

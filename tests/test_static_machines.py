@@ -155,10 +155,11 @@ async def lab_stack(
     inventories: dict[str, str],
     agent_target_path: str | None = None,
     others: tuple[ProviderInstance, ...] = (),
+    **setting_overrides: Any,
 ) -> AsyncIterator[LabStack]:
     """A worker and a heartbeat server managing the given inventories, one provider instance each, and the other
     instances given; the agent goes to agent_target_path (default: a directory of tmp_path, as the machine is this
-    host)."""
+    host), with setting_overrides set besides (the watchdog's timeouts, the recovery budget)."""
     key = tmp_path / "shepherd_ssh_key"
     write_private_key(key, sshd.client_key)
     instances = list(others)
@@ -188,6 +189,7 @@ async def lab_stack(
             agent_endpoint_ca_certificate_path=ca,
             recovery_backoff_initial=1.0,
             recovery_backoff_maximum=2.0,
+            **setting_overrides,
         )
         (tmp_path / "machine").mkdir()
         deps = await open_activity_deps(settings, temporal_client, bmdb_url)
