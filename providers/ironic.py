@@ -37,6 +37,7 @@ from providers import (
     Retired,
 )
 from providers.ironic_api import IronicAPI, Node, NodeConflict, is_node_id
+from providers.ironic_inventory import InventoryAddresses
 from providers.ironic_options import IronicOptions, parse_address, read_options
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class IronicProvider:
         self._sleep = sleep
         # Why the last listing left each node alone, by reason; shown by `shepherd provider check` and the log.
         self.left_alone: Counter[str] = Counter()
+        self.inventories = InventoryAddresses.of(options, api)
 
     @property
     def name(self) -> str:
@@ -135,6 +137,8 @@ class IronicProvider:
 
     def _address(self, node: Node) -> tuple[str, int | None]:
         """Where SSH reaches the deployed node, as the options say to find it; ValueError saying what is missing."""
+        if self.inventories is not None:
+            return self.inventories.address(node), None
         if self.options.address_field is not None:
             table, key = self.options.address_field
             value = getattr(node, table).get(key)
@@ -151,7 +155,9 @@ class IronicProvider:
         """Shepherd's nodes, and the available nodes in the filter as free capacity; the rest counted, not listed."""
         machines: list[ProviderMachine] = []
         left_alone: Counter[str] = Counter()
-        for node in await self.api.nodes():
+        nodes = await self.api.nodes()
+        await self._read_inventories(nodes, listing=True)
+        for node in nodes:
             seen = self._seen(node)
             if isinstance(seen, str):
                 left_alone[seen] += 1
@@ -169,10 +175,18 @@ class IronicProvider:
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
         """One node as Shepherd sees it; MachineNotFound when it is neither Shepherd's nor free capacity."""
-        seen = self._seen(await self._node(provider_id))
+        node = await self._node(provider_id)
+        await self._read_inventories([node])
+        seen = self._seen(node)
         if isinstance(seen, str):
             raise MachineNotFound(self.name, provider_id)
         return seen
+
+    async def _read_inventories(self, nodes: list[Node], *, listing: bool = False) -> None:
+        """Read what inspection recorded of the deployed nodes among these, when the address comes from there."""
+        if self.inventories is not None:
+            deployed = [n for n in nodes if n.provision_state == "active" and (self.is_ours(n) or self._is_retiring(n))]
+            await self.inventories.read(deployed, listing=listing)
 
     def _seen(self, node: Node) -> ProviderMachine | str:
         """The node as Shepherd sees it: its machine (Shepherd's, or free capacity), or why it is left alone."""
@@ -206,6 +220,7 @@ class IronicProvider:
             await self._deploy(node, instance_uuid, ssh_public_key)
             raise NotDoneYet(self.name, f"{node.label()}: deploy failed: {error}; deploying it again")
         if state in DEPLOYING or state == "active":
+            await self._read_inventories([node])
             return self._machine(node, Availability.KNOWN_USED)
         raise CapacityConflict(
             self.name, f"{node.label()} is {state} since Shepherd claimed it, not deployable: look at it in Ironic"

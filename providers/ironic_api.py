@@ -1,9 +1,11 @@
-"""Ironic's REST API as the Ironic provider calls it: nodes read, claimed, deployed, power-cycled and undeployed.
+"""Ironic's REST API as the Ironic provider calls it: nodes read, claimed, deployed, power-cycled and undeployed, and
+the inventory Ironic's inspection recorded of a node.
 
 openstacksdk holds the session: the endpoint, the auth (none, HTTP basic, or a clouds.yaml cloud through Keystone)
-and TLS. The calls go through its baremetal adapter as plain REST at one microversion, and every answer is read
-here, field by field, so an answer that is not what Ironic's API promises is a ProviderProtocolError naming the node
-and the field rather than a None deep in a pass. openstacksdk is blocking: each call runs in a thread.
+and TLS. The calls go through its baremetal adapter as plain REST at one microversion (a later one for the inventory,
+which only that serves), and every answer is read here, field by field, so an answer that is not what Ironic's API
+promises is a ProviderProtocolError naming the node and the field rather than a None deep in a pass. openstacksdk is
+blocking: each call runs in a thread.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 
 from providers import MachineNotFound, ProviderError, ProviderProtocolError, ProviderUnavailable
 
-# The microversion every call asks for: config drives as JSON (1.56), and every node field read here.
+# The microversion every other call asks for: config drives as JSON (1.56), and every node field read here.
 MICROVERSION = "1.56"
+# A node's inspection inventory is served from this microversion on (Ironic 2023.1).
+INVENTORY_MICROVERSION = "1.81"
 # Nodes a listing page asks for; Ironic's own maximum is 1,000 unless its operator changed it.
 PAGE_SIZE = 1000
 # The node fields Shepherd reads: a listing asks for these alone.
@@ -40,6 +44,7 @@ NODE_FIELDS = (
     "extra",
     "instance_info",
     "properties",
+    "inspection_finished_at",
 )
 # Ironic's provision states (ironic/common/states.py); any other is an answer Shepherd does not understand.
 PROVISION_STATES = frozenset(
@@ -113,6 +118,8 @@ class Node:
     extra: Mapping[str, Any]
     instance_info: Mapping[str, Any]
     properties: Mapping[str, Any]
+    # When Ironic's inspection of the node last finished; it moves when a new inventory was recorded.
+    inspection_finished_at: str | None
 
     def label(self) -> str:
         """The node as a message names it: its UUID, and its name when it has one."""
@@ -185,6 +192,7 @@ def parse_node(data: Any, where: str, provider: str) -> Node:
         extra=table("extra"),
         instance_info=table("instance_info"),
         properties=table("properties"),
+        inspection_finished_at=text("inspection_finished_at"),
     )
 
 
@@ -228,6 +236,20 @@ class IronicAPI:
         data = await self._call(where, "GET", f"/nodes/{node_id}", missing=node_id)
         return parse_node(data, where, self.provider)
 
+    async def inventory(self, node_id: str) -> Mapping[str, Any] | None:
+        """The inventory Ironic's inspection recorded of the node; None when Ironic keeps none."""
+        where = f"read the inspection inventory of node {node_id}"
+        try:
+            data = await self._call(
+                where, "GET", f"/nodes/{node_id}/inventory", missing=node_id, microversion=INVENTORY_MICROVERSION
+            )
+        except MachineNotFound:
+            return None
+        inventory = data.get("inventory") if isinstance(data, dict) else None
+        if not isinstance(inventory, dict):
+            raise ProviderProtocolError(self.provider, f"{where}: the answer has no object 'inventory'")
+        return inventory
+
     async def patch(self, node_id: str, changes: list[dict[str, Any]], doing: str) -> Node:
         """Apply a JSON patch to the node; the node as Ironic holds it afterwards."""
         where = f"{doing} ({node_id})"
@@ -255,12 +277,20 @@ class IronicAPI:
         params: dict[str, str] | None = None,
         body: Any = None,
         missing: str | None = None,
+        microversion: str = MICROVERSION,
     ) -> Any:
         """One request; its JSON answer, or a ProviderError that says what went wrong."""
-        return await asyncio.to_thread(self._request, where, method, path, params, body, missing)
+        return await asyncio.to_thread(self._request, where, method, path, params, body, missing, microversion)
 
     def _request(
-        self, where: str, method: str, path: str, params: dict[str, str] | None, body: Any, missing: str | None
+        self,
+        where: str,
+        method: str,
+        path: str,
+        params: dict[str, str] | None,
+        body: Any,
+        missing: str | None,
+        microversion: str,
     ) -> Any:
         from keystoneauth1 import exceptions as ksa
 
@@ -270,7 +300,7 @@ class IronicAPI:
                 method,
                 params=params,
                 json=body,
-                microversion=MICROVERSION,
+                microversion=microversion,
                 raise_exc=False,
                 connect_retries=0,
                 status_code_retries=0,
@@ -284,6 +314,11 @@ class IronicAPI:
                 self.provider, f"{where}: no answer from Ironic at {self.endpoint}: {error}"
             ) from None
         except ksa.DiscoveryFailure as error:
+            # keystoneauth words an endpoint that is down as one that is not Ironic's: a second look tells them apart,
+            # so an outage at a worker's first call (its version discovery) is retried as any other outage is.
+            outage = self._outage()
+            if outage is not None:
+                raise ProviderUnavailable(self.provider, f"{where}: {outage}") from None
             raise ProviderProtocolError(
                 self.provider, f"{where}: {self.endpoint} does not answer as Ironic's API does: {error}"
             ) from None
@@ -308,7 +343,7 @@ class IronicAPI:
             raise MachineNotFound(self.provider, missing)
         if status == 406:
             raise ProviderProtocolError(
-                self.provider, f"{where}: Ironic at {self.endpoint} does not serve microversion {MICROVERSION}: {fault}"
+                self.provider, f"{where}: Ironic at {self.endpoint} does not serve microversion {microversion}: {fault}"
             )
         if status == 409:
             if "locked" in fault.lower():
@@ -318,6 +353,29 @@ class IronicAPI:
         if status == 429 or status >= 500:
             raise ProviderUnavailable(self.provider, f"{where}: Ironic answered HTTP {status}: {fault}")
         raise ProviderProtocolError(self.provider, f"{where}: Ironic answered HTTP {status}: {fault}")
+
+    def _outage(self) -> str | None:
+        """What keeps Ironic from answering where its version discovery asked (no answer, HTTP 429 or 5xx), in a
+        line; None when something answers there otherwise."""
+        from keystoneauth1 import exceptions as ksa
+
+        config = self.connection.config
+        try:
+            # Where discovery asked: the endpoint given, else the catalog's, read without discovering again.
+            url = config.get_endpoint("baremetal") or self.connection.session.get_endpoint(
+                service_type="baremetal",
+                interface=config.get_interface("baremetal"),
+                region_name=config.get_region_name("baremetal"),
+                skip_discovery=True,
+            )
+            answer = self.connection.session.get(url, authenticated=False, raise_exc=False, connect_retries=0)
+        except ksa.ConnectionError as error:
+            return f"no answer from Ironic at {self.endpoint}: {error}"
+        except ksa.ClientException:
+            return None
+        if answer.status_code == 429 or answer.status_code >= 500:
+            return f"Ironic at {self.endpoint} answered HTTP {answer.status_code}: {_fault(answer)}"
+        return None
 
 
 def _fault(response: Any) -> str:

@@ -3,7 +3,8 @@
 Four things: how to reach Ironic (endpoint and auth, or a clouds.yaml cloud), which nodes are capacity (available
 nodes, narrowed by resource class, conductor group, owner and traits), what to deploy on them (an image, or a whole
 instance_info table, and the user data that reaches the new OS with Shepherd's SSH key in a config drive), and where
-SSH reaches a deployed node (a node field the operator names, or a DNS name made from the node's name).
+SSH reaches a deployed node (a node field the operator names, a DNS name made from the node's name, or the address
+Ironic's inspection recorded of one of its interfaces).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ OPTIONS = (
     "user_data_file",
     "address_field",
     "address_template",
+    "address_source",
+    "address_interface",
+    "address_ip_version",
     "ssh_port",
     "ssh_user",
     "power_timeout",
@@ -53,6 +57,10 @@ AUTH_TYPES = ("none", "http_basic")
 ADDRESS_TABLES = ("extra", "instance_info", "properties")
 # What an address template may use of the node.
 TEMPLATE_FIELDS = ("name", "uuid")
+# The one address_source: what Ironic's inspection recorded (providers/ironic_inventory.py).
+INSPECTION = "inspection"
+# A network interface's name as Linux gives it: at most 15 characters, no slash, no white space.
+_INTERFACE = re.compile(r"[^\s/]{1,15}")
 _TRAIT = re.compile(r"[A-Z0-9_]{1,255}")
 _USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}")
 
@@ -79,6 +87,9 @@ class IronicOptions:
     user_data_file: Path | None
     address_field: tuple[str, str] | None
     address_template: str | None
+    address_source: str | None
+    address_interface: str | None
+    address_ip_version: int | None
     ssh_port: int
     ssh_user: str | None
     power_timeout: float
@@ -167,14 +178,17 @@ def read_options(instance: ProviderInstance, default_timeout: float) -> IronicOp
     instance_info = _instance_info(options, error)
 
     address_field, address_template = text("address_field"), text("address_template")
-    if (address_field is None) == (address_template is None):
+    address_source = text("address_source")
+    if [address_field, address_template, address_source].count(None) != 2:
         raise error(
-            "say where SSH reaches a deployed node: address_field (a node field such as extra/ssh_address) "
-            "or address_template (a DNS name such as {name}.rack1.example.com), one of the two"
+            "say where SSH reaches a deployed node: address_field (a node field such as extra/ssh_address), "
+            'address_template (a DNS name such as {name}.rack1.example.com) or address_source = "inspection" '
+            "(the address Ironic's inspection recorded), one of the three"
         )
     field_path = _address_field(address_field, error) if address_field is not None else None
     if address_template is not None:
         _check_template(address_template, error)
+    address_interface, address_ip_version = _inspection_options(options, address_source, error)
 
     ssh_port = options.get("ssh_port", 22)
     if isinstance(ssh_port, bool) or not isinstance(ssh_port, int) or not 0 < ssh_port < 65536:
@@ -202,6 +216,9 @@ def read_options(instance: ProviderInstance, default_timeout: float) -> IronicOp
         user_data_file=path("user_data_file"),
         address_field=field_path,
         address_template=address_template,
+        address_source=address_source,
+        address_interface=address_interface,
+        address_ip_version=address_ip_version,
         ssh_port=ssh_port,
         ssh_user=ssh_user,
         power_timeout=duration_option(instance, "power_timeout", 120.0),
@@ -209,8 +226,8 @@ def read_options(instance: ProviderInstance, default_timeout: float) -> IronicOp
 
 
 def _instance_info(options: Mapping[str, Any], error: Any) -> dict[str, Any]:
-    """What a deploy sets in the node's instance_info: the image, its checksum, the root device hint, and the
-    operator's own table."""
+    """What a deploy sets in the node's instance_info: the image (or, for the ramdisk deploy, the ISO to boot), its
+    checksum, the root device hint, and the operator's own table."""
     table = options.get("instance_info", {})
     if not isinstance(table, dict):
         raise error(f"instance_info must be a table, got {table!r}")
@@ -224,8 +241,21 @@ def _instance_info(options: Mapping[str, Any], error: Any) -> dict[str, Any]:
         if name in table:
             raise error(f"{name} is given twice: as an option and in instance_info")
         info[name] = value
-    if not isinstance(info.get("image_source"), str) or not info["image_source"]:
-        raise error("image_source must name the image to deploy (an option, or a key of instance_info)")
+    if "boot_iso" in info:
+        # The ramdisk deploy boots the node from an ISO instead of writing an image to its disk; Ironic refuses a
+        # node that names both.
+        if not isinstance(info["boot_iso"], str) or not info["boot_iso"]:
+            raise error(f"instance_info's boot_iso must be the URL of an ISO, got {info['boot_iso']!r}")
+        if "image_source" in info:
+            raise error(
+                "image_source and instance_info's boot_iso exclude each other: Ironic writes an image to the disk "
+                "or boots an ISO (the ramdisk deploy), not both"
+            )
+    elif not isinstance(info.get("image_source"), str) or not info["image_source"]:
+        raise error(
+            "image_source must name the image to deploy (an option, or a key of instance_info), or instance_info's "
+            "boot_iso the ISO a ramdisk deploy boots"
+        )
     root_device = options.get("root_device")
     if root_device is not None:
         if not isinstance(root_device, dict) or not root_device:
@@ -257,6 +287,22 @@ def _check_template(template: str, error: Any) -> None:
             f"address_template must use the node's {' or '.join('{' + f + '}' for f in TEMPLATE_FIELDS)} "
             f"and nothing else, got {template!r}"
         )
+
+
+def _inspection_options(options: Mapping[str, Any], source: str | None, error: Any) -> tuple[str | None, int | None]:
+    """(address_interface, address_ip_version) of an address_source = "inspection", checked."""
+    if source is not None and source != INSPECTION:
+        raise error(
+            f'address_source must be "{INSPECTION}" (the address Ironic\'s inspection recorded), got {source!r}'
+        )
+    interface, ip_version = options.get("address_interface"), options.get("address_ip_version")
+    if source is None and (interface is not None or ip_version is not None):
+        raise error(f'address_interface and address_ip_version go with address_source = "{INSPECTION}"')
+    if interface is not None and not (isinstance(interface, str) and _INTERFACE.fullmatch(interface)):
+        raise error(f"address_interface must be a network interface's name such as eno1, got {interface!r}")
+    if ip_version is not None and (type(ip_version) is not int or ip_version not in (4, 6)):
+        raise error(f"address_ip_version must be 4 or 6, got {ip_version!r}")
+    return interface, ip_version
 
 
 def parse_address(value: Any, node: str, source: str) -> tuple[str, int | None]:
