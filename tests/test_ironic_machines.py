@@ -161,3 +161,32 @@ async def test_a_reimage_rebuilds_the_node_and_the_new_host_key_is_pinned_by_she
             assert record.ssh_host_key == new_key.export_public_key("openssh").decode().strip()
             kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
             assert "reimaged" in kinds and "reimage_forced" in kinds
+
+
+async def test_a_failed_deploy_shows_ironics_error_in_the_machines_status_and_is_tried_again(
+    tmp_path, temporal_client, bmdb_url, sshd
+):
+    with running_ironic(tmp_path / "ironic") as ironic:
+        # A direct deploy waits for the ramdisk's agent, which fake hardware never runs: Ironic fails it after its
+        # callback timeout, with its own words in last_error.
+        node = ironic.enroll(resource_class="gold", deploy_interface="direct", extra={"ssh_address": "127.0.0.1"})
+        options = {
+            "endpoint": ironic.url,
+            "resource_class": "gold",
+            "image_source": "http://127.0.0.1:9/os.qcow2",
+            "image_checksum": "0" * 32,
+            "address_field": "extra/ssh_address",
+        }
+        rack = ProviderInstance("rack", "ironic", options)
+        async with lab_stack(tmp_path, temporal_client, bmdb_url, sshd, {}, others=(rack,)) as stack:
+            assert (await stack.run_pass("rack")).admitted == [node]
+            status = await stack.wait_for(
+                "rack", node, lambda s: "deploy failed" in (s.last_error or ""), "showing the failed deploy"
+            )
+            assert status.stage is MachineStage.PROVISIONING
+            failure = ironic.node(node)["last_error"] or "Ironic recorded no error"
+            assert f"node {node}: deploy failed: {failure[:60]}" in (status.last_error or "")
+            assert "deploying it again" in (status.last_error or "")
+            # Tried again on the provisioning back-off: Ironic is asked for a second deploy, and it fails again.
+            await stack.wait_for("rack", node, lambda s: s.attempts >= 2, "a second attempt")
+            assert ironic.requests_logged(f"PUT /v1/nodes/{node}/states/provision") >= 4, "manage, provide, 2 deploys"
