@@ -142,32 +142,20 @@ def bare_machine_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     """sshd whose sessions are chrooted into a root that holds busybox (its shell and tools), glibc, zlib, /proc
     and the devices null, zero, random and urandom: no Python, no other library. Its logins land in /root; agents
     go to /root/agent."""
-    if os.geteuid() != 0:
-        pytest.skip("a chrooted sshd and its mounts need root")
-    if not BUSYBOX.exists():
-        pytest.skip(f"busybox is not installed at {BUSYBOX} (Debian package busybox-static)")
-    # sshd chroots only into a directory whose every component is root's and writable by no one else: not /tmp.
-    root = Path(tempfile.mkdtemp(prefix="shepherd-bare-machine-", dir="/run"))
-    mounts: list[Path] = []
-    try:
-        _build_bare_root(root, mounts)
-        with running_sshd(tmp_path_factory.mktemp("bare-sshd"), f"ChrootDirectory {root}\n") as sshd:
-            yield BareMachine(sshd=sshd, root=root)
-    finally:
-        for mount in reversed(mounts):
-            subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+    with running_bare_machine(tmp_path_factory.mktemp("bare-sshd")) as machine:
+        yield machine
 
 
 @contextmanager
 def running_bare_machine(directory: Path, client_key: asyncssh.SSHKey | None = None) -> Iterator[BareMachine]:
-    """One more bare machine, as the bare_machine fixture builds it, with its own root and its sshd configured in
+    """A bare machine, as the bare_machine fixture is, with its own root and its sshd configured in
     directory (its host key there, its pid in sshd.pid), on a port of its own; with client_key, several such
     machines let one Shepherd in. Needs root."""
     if os.geteuid() != 0:
         pytest.skip("a chrooted sshd and its mounts need root")
     if not BUSYBOX.exists():
         pytest.skip(f"busybox is not installed at {BUSYBOX} (Debian package busybox-static)")
+    # sshd chroots only into a directory whose every component is root's and writable by no one else: not /tmp.
     root = Path(tempfile.mkdtemp(prefix="shepherd-bare-machine-", dir="/run"))
     mounts: list[Path] = []
     try:
