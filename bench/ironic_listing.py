@@ -19,22 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench.ironic_nodes import enroll_available, provider_options
 from foundation.provider_instances import ProviderInstance
 from foundation.settings import Settings
 from providers.ironic import IronicProvider, from_settings
 from tests.ironic_fixtures import Ironic, running_ironic
-
-
-def enroll_available(ironic: Ironic, count: int) -> None:
-    """count fake-hardware nodes, taken to available, a few at a time (Ironic's SQLite serialises the rest)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(lambda n: ironic.enroll(name=f"bench-{n:05d}", resource_class="bench"), range(count)))
 
 
 def cpu() -> float:
@@ -44,13 +38,7 @@ def cpu() -> float:
 
 async def measure(ironic: Ironic, rounds: int) -> dict[str, list[tuple[float, float, int]]]:
     """(wall seconds, CPU seconds, nodes seen) of each listing, by variant, the variants taking turns."""
-    options = {
-        "endpoint": ironic.url,
-        "resource_class": "bench",
-        "image_source": "http://127.0.0.1:9/os.qcow2",
-        "address_field": "extra/ssh_address",
-        "timeout": 120,
-    }
+    options = provider_options(ironic)
     provider = from_settings(ProviderInstance("bench", "ironic", options), Settings())
     assert isinstance(provider, IronicProvider)
     connection = provider.api.connection
