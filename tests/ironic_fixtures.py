@@ -1,7 +1,7 @@
 """OpenStack Ironic standalone as its users run it: SQLite, one all-in-one process, no Keystone, no message bus.
 
 Import the fixture into a test module to use it: ``from tests.ironic_fixtures import ironic_fixture  # noqa: F401``;
-tests then take an ``ironic`` argument. The server is started once per session on a free loopback port with
+tests then take an ``ironic`` argument. The server is started once per module on a free loopback port with
 ``fake-hardware`` nodes enabled (and ``redfish`` ones, for nodes whose BMC is sushy-emulator, with the HTTP server
 that its conductor publishes virtual media on: ``Ironic.files``). The helpers here talk to Ironic's REST API with
 requests, past the code under test, to set nodes up and to look at what Shepherd did.
@@ -307,7 +307,9 @@ def wait_until_answering(ironic: Ironic) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session", name="ironic")
+# A module's own: every module that imports the fixture gets an Ironic of its own anyway, and an idle one still
+# polls its nodes every second, so each stops once its module is over.
+@pytest.fixture(scope="module", name="ironic")
 def ironic_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ironic]:
     with running_ironic(tmp_path_factory.mktemp("ironic")) as ironic:
         yield ironic
