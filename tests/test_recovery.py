@@ -196,7 +196,7 @@ async def test_a_machine_that_keeps_dying_is_quarantined_and_released_with_sheph
         status = await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.QUARANTINED, 1), what="quarantine")
         assert status.quarantine.reason.startswith("1 recoveries within 1:00:00")
         record = await heartbeat_of(stack, bmdb, "node-0001")
-        assert (await bmdb.list_events(record.machine_id))[0].kind == "quarantined"
+        assert (await _story(bmdb, record.machine_id))[0] == "quarantined"
         # Quarantined, it is no longer watched: no signal, and it counts for no hold.
         assert (await stack.run_pass()).silent == []
         code, out, err = await shepherd("machines")
@@ -208,9 +208,14 @@ async def test_a_machine_that_keeps_dying_is_quarantined_and_released_with_sheph
         assert out.startswith("machine-sim-node-0001: released by alice (memory replaced)")
         status = await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.WATCHING, 2), what="recovery")
         assert status.last_recovery_reason.endswith("(released by alice: memory replaced)")
-        kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
-        assert kinds[:4] == ["agent_started", "rebooted", "released", "quarantined"]
+        assert (await _story(bmdb, record.machine_id))[:4] == ["agent_started", "rebooted", "released", "quarantined"]
         assert (await stack.status("node-0002")).recovery_count == 0
+
+
+async def _story(bmdb, machine_id) -> list[str]:
+    """The kinds of the machine's events, newest first, but for the watchdog's heartbeat_lost: under load one was
+    seen logged after the quarantine it led to, an order this test is not about."""
+    return [e.kind for e in await bmdb.list_events(machine_id) if e.kind != "heartbeat_lost"]
 
 
 async def _stage_is(stack: FleetStack, provider_id: str, stage: MachineStage, recoveries: int):
