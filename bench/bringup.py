@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,7 @@ async def measure_shepherd(
         search_attributes=SEARCH_ATTRIBUTES,
         dev_server_log_level="error",
         data_converter=DATA_CONVERTER,
-        dev_server_extra_args=[arg for value in dynamic_config for arg in ("--dynamic-config-value", value)],
+        dev_server_extra_args=dev_server_arguments(dynamic_config),
     )
     try:
         settings = Settings(
@@ -359,6 +360,22 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
     )
 
 
+def add_dynamic_config_option(parser: argparse.ArgumentParser) -> None:
+    """--dynamic-config KEY=VALUE, repeatable: a dynamic config value of the Temporal dev server to start."""
+    parser.add_argument(
+        "--dynamic-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dynamic config value of the Temporal dev server (VALUE in JSON); repeatable",
+    )
+
+
+def dev_server_arguments(dynamic_config: Sequence[str]) -> list[str]:
+    """The dev server's command-line arguments for these --dynamic-config values."""
+    return [arg for value in dynamic_config for arg in ("--dynamic-config-value", value)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.bringup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -376,13 +393,7 @@ def main() -> None:
     parser.add_argument(
         "--eager-start", action="store_true", help="ask for each workflow's first task in its start response"
     )
-    parser.add_argument(
-        "--dynamic-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a dynamic config value of the Temporal dev server (VALUE in JSON); repeatable",
-    )
+    add_dynamic_config_option(parser)
     args = parser.parse_args()
     if args.machines < 1 or args.concurrency < 1:
         parser.error("--machines and --concurrency must be at least 1")

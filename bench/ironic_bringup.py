@@ -60,7 +60,14 @@ from activities.deps import open_activity_deps
 from activities.fleet import each_at_most
 from activities.workflow_start import start_machine_workflow
 from agent.build import build_agent_executable
-from bench.bringup import ENDPOINT, START_CONCURRENCY, raise_file_limit, raw_takeover
+from bench.bringup import (
+    ENDPOINT,
+    START_CONCURRENCY,
+    add_dynamic_config_option,
+    dev_server_arguments,
+    raise_file_limit,
+    raw_takeover,
+)
 from bench.ironic_nodes import enroll_available, in_parallel, provider_options, script_connection
 from bench.stack_cpu import CpuTimes, StackCpu
 from bmdb import migrate
@@ -314,7 +321,7 @@ async def measure(
         search_attributes=SEARCH_ATTRIBUTES,
         dev_server_log_level="error",
         data_converter=DATA_CONVERTER,
-        dev_server_extra_args=[arg for value in args.dynamic_config for arg in ("--dynamic-config-value", value)],
+        dev_server_extra_args=dev_server_arguments(args.dynamic_config),
     )
     connection = script_connection(ironic)
     results: dict[str, list[Measured]] = {"raw": [], "shepherd": []}
@@ -392,13 +399,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="the provider instance's activities_per_second")
     parser.add_argument("--concurrency", type=int, default=DEFAULTS.max_concurrent_activities)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--dynamic-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a dynamic config value of the Temporal dev server (VALUE in JSON); repeatable",
-    )
+    add_dynamic_config_option(parser)
     args = parser.parse_args()
     if args.nodes < 1 or args.rounds < 1 or args.concurrency < 1 or args.rate <= 0:
         parser.error("--nodes, --rounds and --concurrency must be at least 1, --rate above 0")
