@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 from temporalio import activity
@@ -25,9 +25,13 @@ from lifecycle.contracts import (
     RebootResult,
     RecoveryKind,
     ReimageResult,
+    SilenceCheck,
+    SilenceCheckInput,
     StuckInput,
 )
-from lifecycle.takeover import wait_until_booted
+from lifecycle.inputs import recovery_hold_rule
+from lifecycle.takeover import key_fingerprint, wait_until_booted
+from lifecycle.watchdog import spared_after_hold
 from providers import Reimager
 
 log = logging.getLogger(__name__)
@@ -163,6 +167,44 @@ class RecoveryActivities:
             machine_id, f"silent after maintenance ({input.why}): taken over again"
         )
         return False
+
+    @activity.defn
+    async def confirm_silence(self, input: SilenceCheckInput) -> SilenceCheck:
+        """Whether BMDB still finds the machine's agent silent, by the watchdog's rule, with its provider's recoveries
+        not held: read as the recovery a heartbeat_lost asked for begins, so a forged or stale signal reboots nothing.
+
+        An unconfirmed silence is logged as a ``heartbeat_lost_unconfirmed`` event saying why.
+        """
+        bmdb, settings = self.deps.bmdb, self.deps.settings
+        machine_id = uuid.UUID(input.machine_id)
+        as_of = datetime.now(UTC)
+        held, hold_ended = await bmdb.recovery_hold_state(input.provider)
+        silent = await bmdb.silent_machines(
+            input.provider,
+            as_of=as_of,
+            first_heartbeat_within=settings.first_heartbeat_timeout,
+            heartbeat_within=settings.heartbeat_timeout,
+            machine_id=machine_id,
+        )
+        found = silent[0] if silent else None
+        if held:
+            why = f"the recoveries of provider {input.provider} are held"
+        elif found is None:
+            why = "its agent heartbeats, or the watchdog does not watch it (quarantined, in maintenance, retired)"
+        elif input.agent_key_fingerprint is not None and key_fingerprint(found.agent_public_key) != (
+            input.agent_key_fingerprint
+        ):
+            why = f"the silent agent on record is not the one it watches ({input.agent_key_fingerprint})"
+        elif spared_after_hold(
+            recovery_hold_rule(settings), last_seen=found.last_seen, hold_ended=hold_ended, as_of=as_of
+        ):
+            why = "it fell silent while its provider's recoveries were held, and its grace after the hold runs"
+        else:
+            return SilenceCheck(True, found.cause())
+        detail = f"not recovered: {why}"
+        await bmdb.add_event(machine_id, "heartbeat_lost_unconfirmed", detail)
+        log.warning("%s machine %s: heartbeat_lost %s", input.provider, input.machine_id, detail)
+        return SilenceCheck(False, detail)
 
     @activity.defn
     async def record_operator_action(self, input: OperatorActionInput) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -89,6 +90,18 @@ class RecoveryHolds(StoreBase):
                     )
                 )
             return None if row is None else _held(row)
+
+    async def recovery_hold_state(self, provider: str) -> tuple[bool, datetime | None]:
+        """Whether the provider's recoveries are held now and not released by an operator; else when its last hold
+        ended (None: there was none, or it still stands, released)."""
+        query = select(recovery_holds.c.ended_at, recovery_holds.c.released_at).where(
+            recovery_holds.c.provider == provider
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        if row is None:
+            return False, None
+        return row.ended_at is None and row.released_at is None, row.ended_at
 
     async def held_recoveries(self) -> list[HeldRecoveries]:
         """Every provider whose recoveries are held now, by provider name."""

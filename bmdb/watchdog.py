@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -18,9 +19,16 @@ class WatchdogQueries(StoreBase):
     """The watchdog's rule and its counts."""
 
     async def silent_machines(
-        self, provider: str, *, as_of: datetime, first_heartbeat_within: float, heartbeat_within: float
+        self,
+        provider: str,
+        *,
+        as_of: datetime,
+        first_heartbeat_within: float,
+        heartbeat_within: float,
+        machine_id: uuid.UUID | None = None,
     ) -> list[SilentMachine]:
-        """Machines whose agent needs recovery, in one set-based query (the seed's rule).
+        """Machines whose agent needs recovery, in one set-based query (the seed's rule); with machine_id, that
+        machine alone, as a recovery confirms the silence it was asked for.
 
         Silent: the agent started more than first_heartbeat_within seconds
         before as_of and never sent a heartbeat, or its last heartbeat is more
@@ -48,6 +56,8 @@ class WatchdogQueries(StoreBase):
             .where(*_watched(provider), or_(never, stopped))
             .order_by(machine_provided.c.provider_id)
         )
+        if machine_id is not None:
+            query = query.where(machine_provided.c.machine_id == machine_id)
         async with self.engine.connect() as conn:
             return [
                 SilentMachine(

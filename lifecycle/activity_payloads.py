@@ -68,6 +68,24 @@ class AgentCheckInput:
 
 
 @dataclass(frozen=True)
+class SilenceCheckInput:
+    """Input of confirm_silence: the machine whose agent heartbeat_lost said is silent, and which agent it watches."""
+
+    machine_id: str
+    provider: str
+    # The key fingerprint of the agent the workflow watches; None when it has none on record.
+    agent_key_fingerprint: str | None
+
+
+@dataclass(frozen=True)
+class SilenceCheck:
+    """What confirm_silence found: whether BMDB still finds the agent silent with no hold on its provider, and why."""
+
+    confirmed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
 class StuckInput:
     """Input of the record_stuck activity: flag the machine stuck in BMDB, or clear the flag, with why."""
 

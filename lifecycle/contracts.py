@@ -26,6 +26,8 @@ from lifecycle.activity_payloads import (
     ReimageResult,
     RetireInput,
     RetireResult,
+    SilenceCheck,
+    SilenceCheckInput,
     StartAgentInput,
     StuckInput,
 )
@@ -191,6 +193,8 @@ __all__ = [
     "ReimageResult",
     "RetireInput",
     "RetireResult",
+    "SilenceCheck",
+    "SilenceCheckInput",
     "StartAgentInput",
     "Stuck",
     "StuckInput",

@@ -142,6 +142,7 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
             recovery.record_stuck,
             recovery.record_maintenance,
             recovery.check_agent_after_maintenance,
+            recovery.confirm_silence,
             recovery.record_operator_action,
             decommission.forget_decommissioned_agent,
             decommission.record_retired,

@@ -50,6 +50,8 @@ from lifecycle.contracts import (
     ReimageResult,
     RetireInput,
     RetireResult,
+    SilenceCheck,
+    SilenceCheckInput,
     StartAgentInput,
     StuckInput,
     provider_task_queue,
@@ -84,6 +86,10 @@ class FakeMachineActivities:
         self.maintenance_records: list[tuple[bool, str]] = []
         # What check_agent_after_maintenance answers.
         self.agent_alive = True
+        # What confirm_silence answers, and what it was asked; while silence_gate is set and not open, it waits.
+        self.silence = SilenceCheck(True, "last heartbeat at 10:00")
+        self.silence_checks: list[SilenceCheckInput] = []
+        self.silence_gate: asyncio.Event | None = None
         # While set and not open, record_operator_action waits for it: an operator action's handler still running.
         self.action_log_gate: asyncio.Event | None = None
         # Every call in order, by activity name.
@@ -113,6 +119,7 @@ class FakeMachineActivities:
             self.record_stuck,
             self.record_maintenance,
             self.check_agent_after_maintenance,
+            self.confirm_silence,
             self.forget_decommissioned_agent,
             self.record_retired,
             self.record_operator_action,
@@ -154,6 +161,13 @@ class FakeMachineActivities:
     async def check_agent_after_maintenance(self, input: AgentCheckInput) -> bool:
         self.calls.append("check_agent_after_maintenance")
         return self.agent_alive
+
+    @activity.defn(name="confirm_silence")
+    async def confirm_silence(self, input: SilenceCheckInput) -> SilenceCheck:
+        self.silence_checks.append(input)
+        if self.silence_gate is not None:
+            await self.silence_gate.wait()
+        return self.silence
 
     @activity.defn(name="record_stuck")
     async def record_stuck(self, input: StuckInput) -> None:
@@ -438,6 +452,58 @@ async def test_heartbeat_lost_about_an_agent_that_was_replaced_is_ignored(time_s
         assert (
             status.recovery_count == 2 and [cause for _, cause in fakes.reboots][-1] == "heartbeat lost: silent again"
         )
+        await handle.terminate()
+
+
+async def test_a_heartbeat_lost_that_bmdb_does_not_confirm_reboots_nothing(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    fakes.silence = SilenceCheck(False, "not recovered: its agent heartbeats")
+    async with machine_worker(env, fakes, "unconfirmed") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        # Anyone who can signal the workflow can send this: the Temporal UI, a script, a stale watchdog.
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("forged", "SHA256:agent-1"))
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_requested is None
+        assert status.agent is not None and status.agent.key_fingerprint == "SHA256:agent-1"
+        assert fakes.reboots == [] and status.recovery_count == 0
+        (check,) = fakes.silence_checks
+        assert (check.machine_id, check.provider, check.agent_key_fingerprint) == (
+            status.machine_id,
+            "sim",
+            "SHA256:agent-1",
+        )
+
+        # Confirmed, the same signal reboots it; an operator's recovery is never asked about.
+        fakes.silence = SilenceCheck(True, "last heartbeat at 10:00")
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
+        await env.sleep(timedelta(seconds=120))
+        await handle.signal("force_recover", {"reason": "disk errors", "by": "alice"})
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.recovery_count == 2 and len(fakes.silence_checks) == 2
+        await handle.terminate()
+
+
+async def test_an_operators_recovery_asked_while_a_silence_is_confirmed_goes_ahead(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    fakes.silence = SilenceCheck(False, "not recovered: its agent heartbeats")
+    fakes.silence_gate = asyncio.Event()
+    async with machine_worker(env, fakes, "confirming") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("stale", "SHA256:agent-1"))
+        await env.sleep(timedelta(seconds=2))
+        assert len(fakes.silence_checks) == 1
+        await handle.signal("force_recover", {"reason": "disk errors", "by": "alice"})
+        await env.sleep(timedelta(seconds=2))
+        fakes.silence_gate.set()
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.recovery_count == 1 and [cause for _, cause in fakes.reboots] == [
+            "forced: disk errors (by alice)"
+        ]
         await handle.terminate()
 
 

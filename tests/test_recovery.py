@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lifecycle.contracts import MachineStage
+from lifecycle.contracts import HEARTBEAT_LOST_SIGNAL, MachineStage
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
 
@@ -71,6 +71,34 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
         assert story[4].detail.startswith("rebooted: heartbeat lost: last heartbeat at")
         # The healthy machine was left alone.
         assert (await stack.status("node-0002")).recovery_count == 0
+
+        # A heartbeat_lost sent straight to Temporal (anyone with write access to the namespace can) about the healthy
+        # machine, and a stale one (the cause alone, as older watchdogs sent it) about the machine just recovered:
+        # BMDB does not confirm either silence, so neither reboots.
+        healthy = await heartbeat_of(stack, bmdb, "node-0002")
+        agent = (await stack.status("node-0002")).agent
+        forged = {"cause": "forged", "agent_key_fingerprint": agent.key_fingerprint}
+        for provider_id, argument in (("node-0002", forged), ("node-0001", "stale")):
+            await temporal_client.get_workflow_handle(f"machine-sim-{provider_id}").signal(
+                HEARTBEAT_LOST_SIGNAL, argument
+            )
+        for record in (healthy, after):
+            unconfirmed = await wait_for(
+                lambda record=record: _event(bmdb, record.machine_id, "heartbeat_lost_unconfirmed"),
+                what="the unconfirmed silence logged",
+            )
+            assert unconfirmed.detail.startswith("not recovered: its agent heartbeats")
+        for provider_id, recoveries in (("node-0002", 0), ("node-0001", 1)):
+            await stack.wait_for_stage([provider_id], MachineStage.WATCHING)
+            assert (await stack.status(provider_id)).recovery_count == recoveries
+        assert (await heartbeat_of(stack, bmdb, "node-0002")).agent_public_key == healthy.agent_public_key
+
+
+async def _event(bmdb, machine_id, kind: str):
+    for event in await bmdb.list_events(machine_id):
+        if event.kind == kind:
+            return event
+    return None
 
 
 async def _heartbeating(bmdb, provider_id: str):

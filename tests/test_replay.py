@@ -4,9 +4,10 @@ tests/histories/ holds histories of real runs: a machine whose first agent
 start failed and was retried at an operator's retry_now, then forced into a
 recovery; the same machine's run after it; a machine recovered for a lost
 heartbeat, whose agent an operator then restarted without a reboot, and its run
-after that; a fleet pass that admitted machines and one that signalled a silent
-one; a machine an operator forced into a recovery, naming who asked, and its
-next run, taken into maintenance and then decommissioned; the same for a machine
+after that; the same lost heartbeat recorded since BMDB confirms a silence as
+the recovery begins; a fleet pass that admitted machines and one that signalled
+a silent one; a machine an operator forced into a recovery, naming who asked,
+and its next run, taken into maintenance and then decommissioned; the same for a machine
 whose operators sent the typed requests (RecoveryRequest, MaintenanceRequest,
 OperatorRequest) rather than the JSON typed by hand. A workflow change
 that would break the workflows running in a fleet fails here, before it is
@@ -63,6 +64,8 @@ RECORDED = [
     # The same operator actions, sent as the typed requests of lifecycle.contracts.
     "machine-forced-by-a-typed-request",
     "machine-typed-maintenance-then-decommissioned",
+    # A lost heartbeat whose silence BMDB confirmed at the recovery's start.
+    "machine-heartbeat-lost-confirmed",
 ]
 # Not SHEPHERD_*: the settings read every such variable, and the shepherd commands other tests run would refuse it.
 RECORDING = os.environ.get("RECORD_HISTORIES") == "1"
@@ -150,6 +153,9 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
             "machine-first-run": await client.get_workflow_handle(first.id, run_id=first_run).fetch_history(),
             "machine-after-forced-recovery": await stack.machine("node-0001").fetch_history(),
             "machine-heartbeat-lost": await client.get_workflow_handle(
+                "machine-sim-node-0002", run_id=node2_run
+            ).fetch_history(),
+            "machine-heartbeat-lost-confirmed": await client.get_workflow_handle(
                 "machine-sim-node-0002", run_id=node2_run
             ).fetch_history(),
             "machine-agent-restarted": await client.get_workflow_handle(

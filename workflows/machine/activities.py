@@ -32,6 +32,8 @@ with workflow.unsafe.imports_passed_through():
         RebootResult,
         ReimageResult,
         RetireResult,
+        SilenceCheck,
+        SilenceCheckInput,
         StartAgentInput,
         provider_task_queue,
     )
@@ -158,6 +160,18 @@ async def agent_alive(check: AgentCheckInput, provider_id: str) -> bool:
         retry_policy=UNTIL_BMDB_ANSWERS,
     )
     return alive
+
+
+async def confirm_silence(check: SilenceCheckInput, provider_id: str) -> SilenceCheck:
+    """Whether BMDB still finds the agent silent, as the heartbeat_lost that asked for the recovery said."""
+    confirmed: SilenceCheck = await workflow.execute_activity_method(
+        RecoveryActivities.confirm_silence,
+        check,
+        summary=f"is the agent of {provider_id} still silent, with no hold on its provider?",
+        start_to_close_timeout=timedelta(minutes=1),
+        retry_policy=UNTIL_BMDB_ANSWERS,
+    )
+    return confirmed
 
 
 async def stop_agent(machine: MachineInput, request: DecommissionInput) -> str:

@@ -30,9 +30,12 @@ with workflow.unsafe.imports_passed_through():
         RecoveryRequest,
         RetireInput,
         RetireResult,
+        SilenceCheckInput,
     )
 
 
+# Recoveries asked by heartbeat_lost before BMDB confirmed the silence at the recovery's start went ahead at once.
+_SILENCE_CONFIRMED = "silence-confirmed-before-recovery"
 # Recoveries recorded before a cycle rebooted once, recorded apart and waited for the boot ran reboot_machine.
 _REBOOT_ONCE = "reboot-once-then-wait-for-boot"
 # Recoveries recorded before the recovery budget never quarantined.
@@ -62,6 +65,29 @@ class MachineFlows(MachineRun):
         if not alive:
             workflow.logger.info("agent silent after maintenance: taking over again", extra=self._log_fields)
         return not alive
+
+    async def _recovery_goes_ahead(self) -> bool:
+        """Whether the recovery asked for goes ahead: an operator's always; the watchdog's only when BMDB still finds
+        the agent silent, with its provider's recoveries not held, so a forged or stale heartbeat_lost (anyone who
+        can signal the workflow can send one) reboots nothing. An unconfirmed one is dropped, and logged in BMDB."""
+        status = self._status
+        requested = status.recovery_requested
+        if requested is None or requested.by_an_operator or not workflow.patched(_SILENCE_CONFIRMED):
+            return requested is not None
+        agent = status.agent.key_fingerprint if status.agent is not None else None
+        self._confirming_silence = True
+        try:
+            check = await activities.confirm_silence(
+                SilenceCheckInput(status.machine_id, status.provider, agent), status.provider_id
+            )
+        finally:
+            self._confirming_silence = False
+        requested = status.recovery_requested
+        if check.confirmed or (requested is not None and requested.by_an_operator):
+            return requested is not None
+        workflow.logger.warning("heartbeat_lost %s", check.detail, extra=self._log_fields)
+        status.recovery_requested = None
+        return False
 
     def _within_budget_window(self, policy: LifecyclePolicy) -> list[RecoveryRecord]:
         """The recent recoveries the budget still counts; all of them when there is no window."""

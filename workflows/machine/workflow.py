@@ -116,7 +116,8 @@ class MachineWorkflow(MachineFlows):
         handed = status.handed_on(status.stage)
         if take_over_again:
             handed.stage, handed.agent = MachineStage.AGENT_STARTING, None
-        elif status.recovery_requested is not None:
+        elif await self._recovery_goes_ahead():
+            assert status.recovery_requested is not None
             await self._recovery_cycle(input, status.recovery_requested, handed)
         # Asked while the machine rebooted: the next run would not know of it.
         self._stop_if_decommissioned()
@@ -384,6 +385,10 @@ class MachineWorkflow(MachineFlows):
             self._release = (request.by, reason)
             self._reimage_on_release = request.reimage
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
+            return
+        if self._confirming_silence and request.by_an_operator:
+            status.recovery_requested = request
+            workflow.logger.info("recovery requested while a silence is confirmed: %s", reason, extra=self._log_fields)
             return
         if status.recovery_requested is not None or status.stage in (MachineStage.RECOVERING, MachineStage.REIMAGING):
             status.recovery_requests_coalesced += 1

@@ -1,0 +1,99 @@
+"""A recovery asked by heartbeat_lost goes ahead only when BMDB still finds the agent silent, with its provider's
+recoveries not held: the confirm_silence activity on the real BMDB."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import asyncssh
+import pytest
+from temporalio.client import Client
+from temporalio.testing import ActivityEnvironment
+
+from activities.deps import ActivityDeps
+from activities.recovery import RecoveryActivities
+from bmdb.store import BMDB
+from foundation.settings import Settings
+from foundation.ssh_identity import public_key_openssh
+from lifecycle.contracts import SilenceCheck, SilenceCheckInput
+from lifecycle.takeover import key_fingerprint
+
+KEY = b"k" * 32
+SETTINGS = Settings(first_heartbeat_timeout=600.0, heartbeat_timeout=60.0)
+
+
+@pytest.fixture
+def recovery(bmdb: BMDB, temporal_client: Client) -> RecoveryActivities:
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    deps = ActivityDeps(
+        settings=SETTINGS,
+        bmdb=bmdb,
+        providers={},
+        client=temporal_client,
+        ssh_key=key,
+        ssh_public_key=public_key_openssh(key),
+    )
+    return RecoveryActivities(deps)
+
+
+async def confirm(recovery: RecoveryActivities, machine_id: uuid.UUID, fingerprint: str | None) -> SilenceCheck:
+    check = SilenceCheckInput(str(machine_id), "sim", fingerprint)
+    return await ActivityEnvironment().run(recovery.confirm_silence, check)
+
+
+async def silent_machine(bmdb: BMDB, provider_id: str = "node-0001") -> uuid.UUID:
+    """A machine whose agent started an hour ago and never called, past the 600 s first-heartbeat timeout."""
+    machine_id, _ = await bmdb.admit_machine("sim", provider_id)
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC) - timedelta(hours=1), KEY)
+    return machine_id
+
+
+async def unconfirmed_events(bmdb: BMDB, machine_id: uuid.UUID) -> list[str]:
+    return [e.detail for e in await bmdb.list_events(machine_id) if e.kind == "heartbeat_lost_unconfirmed"]
+
+
+async def test_a_silent_agent_is_confirmed_and_nothing_is_logged(bmdb, recovery):
+    machine_id = await silent_machine(bmdb)
+    check = await confirm(recovery, machine_id, key_fingerprint(KEY))
+    assert check.confirmed and check.detail.startswith("no heartbeat since the agent started at")
+    # A signal without the agent's fingerprint, as older watchdogs sent, is about whichever agent is on record.
+    assert (await confirm(recovery, machine_id, None)).confirmed
+    assert await unconfirmed_events(bmdb, machine_id) == []
+
+
+async def test_an_agent_that_heartbeats_is_not_recovered(bmdb, recovery):
+    machine_id = await silent_machine(bmdb)
+    assert await bmdb.record_heartbeat(machine_id, KEY, datetime.now(UTC))
+    check = await confirm(recovery, machine_id, key_fingerprint(KEY))
+    assert not check.confirmed and check.detail.startswith("not recovered: its agent heartbeats")
+    assert await unconfirmed_events(bmdb, machine_id) == [check.detail]
+
+
+async def test_another_agent_than_the_one_watched_is_not_recovered(bmdb, recovery):
+    machine_id = await silent_machine(bmdb)
+    check = await confirm(recovery, machine_id, key_fingerprint(b"o" * 32))
+    assert not check.confirmed and "not the one it watches" in check.detail
+
+
+async def test_a_machine_the_watchdog_does_not_watch_is_not_recovered(bmdb, recovery):
+    machine_id = await silent_machine(bmdb)
+    assert await bmdb.set_maintenance(machine_id, True, "by alice: DIMM")
+    assert not (await confirm(recovery, machine_id, key_fingerprint(KEY))).confirmed
+
+
+async def test_held_recoveries_hold_a_signalled_one_until_released_or_its_grace_ends(bmdb, recovery):
+    machine_id = await silent_machine(bmdb)
+    await bmdb.hold_recoveries("sim", reason="40 of 50 silent", silent_count=40, threshold=5, sample=["node-0001"])
+    check = await confirm(recovery, machine_id, key_fingerprint(KEY))
+    assert not check.confirmed and check.detail == "not recovered: the recoveries of provider sim are held"
+    # Another provider's hold holds nothing here.
+    await bmdb.hold_recoveries("other", reason="all silent", silent_count=9, threshold=5, sample=[])
+    await bmdb.release_recoveries("sim", by="alice", reason="switch fixed")
+    assert (await confirm(recovery, machine_id, key_fingerprint(KEY))).confirmed, "released: recoveries go ahead"
+
+    # A hold that has just ended: a machine silent since before it gets the grace to come back.
+    await bmdb.hold_recoveries("sim", reason="40 of 50 silent", silent_count=40, threshold=5, sample=[])
+    await bmdb.end_recovery_hold("sim", "the silence is over")
+    check = await confirm(recovery, machine_id, key_fingerprint(KEY))
+    assert not check.confirmed and "its grace after the hold runs" in check.detail
