@@ -1,44 +1,46 @@
-"""Settings as an operator reads them: every setting as TOML or JSON, the help table, a URL without its passwords."""
+"""Settings as an operator reads them: every setting as TOML or JSON, the help table, secrets hidden."""
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from foundation.redaction import HIDDEN, redact_options, redact_url, redact_value, secret_name
 from foundation.setting_values import ENV_PREFIX
 from foundation.settings import Settings
 
-# libpq takes secrets as URL parameters too: postgresql://host/db?password=...
-_SECRET_PARAMETERS = re.compile(r"([?&](?:password|sslpassword)=)[^&#]*", re.IGNORECASE)
+# redact_url lives in foundation.redaction; the commands and BMDB have always found it here.
+__all__ = ["describe", "effective_settings", "redact_url"]
 
 
-def redact_url(url: str) -> str:
-    """The URL without its passwords, in the credentials or the parameters, for messages and logs."""
-    url = _SECRET_PARAMETERS.sub(r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("?", 1)[0]:
-        return url
-    credentials, _, host = rest.partition("?")[0].rpartition("@")
-    query = rest[len(credentials) + 1 + len(host) :]
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}{query}" if ":" in credentials else url
-
-
-def effective_settings(settings: Settings, sources: Mapping[str, str], *, as_json: bool = False) -> str:
-    """Every setting as TOML a config file can take back (or JSON), the database password hidden."""
+def effective_settings(
+    settings: Settings,
+    sources: Mapping[str, str],
+    *,
+    as_json: bool = False,
+    secret_options: Mapping[str, Collection[str] | None] | None = None,
+) -> str:
+    """Every setting as TOML a config file can take back (or JSON), secrets hidden: the credentials of every URL,
+    and the provider options each instance's type marks secret (secret_options, by instance name; None for an
+    instance whose type cannot say, all of whose options are then hidden)."""
     values: dict[str, Any] = {}
     for f in fields(settings):
         value = getattr(settings, f.name)
-        if f.name == "database_url" and value:
-            value = redact_url(value)
-        values[f.name] = str(value) if isinstance(value, Path) else value
+        if isinstance(value, str) and value and secret_name(f.name):
+            value = HIDDEN
+        values[f.name] = str(value) if isinstance(value, Path) else redact_value(value)
     # The instances in effect, the implicit one included: what the worker will run.
+    secret = secret_options or {}
     tables = [
-        {"name": i.name, "type": i.type, **i.options, "activities_per_second": i.activities_per_second}
+        {
+            "name": i.name,
+            "type": i.type,
+            **redact_options(i.options, secret.get(i.name, ())),
+            "activities_per_second": i.activities_per_second,
+        }
         for i in settings.provider_instances
     ]
     values["providers"] = tables

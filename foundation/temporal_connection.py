@@ -47,6 +47,17 @@ _REFUSED_CREDENTIALS = re.compile(
     r"\bcode: (?:Unauthenticated|PermissionDenied)\b|\bstatus: 401\b|\b401 Unauthorized\b"
 )
 
+# The SDK's complaint about a temporal.toml quotes the line it found wrong, and a caret line under it
+# ("3 | api_key = sk-...", "  |     ^^^"): that line may be the API key's.
+_QUOTED_LINE = re.compile(r"^\s*\d*\s*\|")
+# What the SDK's words quote of a value: `123`, "a string". One character in backticks is TOML's own syntax
+# (expected `"`), anything longer may be the value of the key.
+_QUOTED_VALUE = re.compile(r'`[^`]*`|"(?:[^"\\]|\\.)*"')
+_POSITION = re.compile(r"\bline (\d+), column \d+")
+# A key = at the start of a TOML line: its name alone says which setting is wrong, never its value. Names are
+# short (client_cert_path); a secret pasted where a name goes is longer, and not shown.
+_TOML_KEY = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]{0,39})\s*=")
+
 # Where a client certificate or its key is set: the variable, and the key of a profile's [tls].
 _CLIENT_TLS_SETTINGS = {
     "certificate": ("TEMPORAL_TLS_CLIENT_CERT_PATH", "client_cert_path"),
@@ -223,8 +234,9 @@ def load_temporal_connection(settings: Settings, environ: Mapping[str, str] | No
     try:
         profile = ClientConfigProfile.load(profile_name, override_env_vars=dict(environ))
     except Exception as error:  # the SDK's ConfigError, raised from its native loader
+        problem = _without_content(error, Path(config_file).expanduser())
         raise TemporalConfigError(
-            f"cannot use the Temporal client configuration ({where}; TEMPORAL_CONFIG_FILE, TEMPORAL_PROFILE): {error}"
+            f"cannot use the Temporal client configuration ({where}; TEMPORAL_CONFIG_FILE, TEMPORAL_PROFILE): {problem}"
         ) from None
 
     sources: dict[str, str] = {}
@@ -269,3 +281,23 @@ def load_temporal_connection(settings: Settings, environ: Mapping[str, str] | No
         rpc_metadata=dict(profile.grpc_meta),
         sources=sources,
     )
+
+
+def _without_content(error: BaseException, config_file: Path) -> str:
+    """The SDK's complaint about the configuration without anything of the file's content: the line it quotes and
+    the values it names are left out, the key of that line is named instead (the API key's line is the one to
+    keep off a terminal and out of the logs)."""
+    text = str(error).removeprefix("Configuration loading error: ")
+    words = ": ".join(line.strip() for line in text.splitlines() if line.strip() and not _QUOTED_LINE.match(line))
+    words = _QUOTED_VALUE.sub(lambda found: "(value not shown)" if len(found.group(0)) > 3 else found.group(0), words)
+    position = _POSITION.search(words)
+    if position is None:
+        return words
+    try:
+        line = config_file.read_text(errors="replace").splitlines()[int(position.group(1)) - 1]
+    except (OSError, IndexError):
+        return words
+    key = _TOML_KEY.match(line)
+    if key is None:
+        return words
+    return f"{words[: position.end()]} (key {key.group(1)}){words[position.end() :]}"

@@ -1,7 +1,8 @@
 """The static provider's inventory: a TOML file of [[machines]] the operator owns, each field checked on reading.
 
 A machine is an id, where SSH reaches it, and optionally its BMC (providers.inventory_bmc: Redfish or IPMI), whose
-password stays in a file only its owner reads, or in a variable, until the BMC is used.
+password stays in a file only its owner reads, or in a variable, until the BMC is used; where each may be is the
+settings' to say (providers.bmc_secrets).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from foundation.secret_files import secret_file_problem
 from providers import Availability, ProviderMachine
+from providers.bmc_secrets import BmcSecretRules, PasswordFileCheck
 from providers.inventory_bmc import (
     BMCConfig,
     InventoryError,
@@ -31,11 +33,14 @@ _HEADER = re.compile(r"""^[ \t]*\[\[[ \t]*(?:machines|"machines"|'machines')[ \t
 _MACHINE_KEYS = ("id", "ssh", "ssh_user", "location", "bmc")
 
 
-def password_file_refusal(inventory: Path, provider: str, machine: InventoryMachine) -> InventoryError | None:
-    """Why the machine's BMC password file cannot serve, as load_inventory words it; None when it can."""
+def password_file_refusal(
+    inventory: Path, provider: str, machine: InventoryMachine, check: PasswordFileCheck
+) -> InventoryError | None:
+    """Why the machine's BMC password file cannot serve, as load_inventory words it; None when it can. check is the
+    pass's check of where the file is; the file's own metadata is read here, nothing of its content."""
     if machine.bmc is None or machine.bmc.password_file is None:
         return None
-    unusable = secret_file_problem(machine.bmc.password_file)
+    unusable = check.refusal(machine.bmc.password_file) or secret_file_problem(machine.bmc.password_file)
     if unusable is None:
         return None
     return _inventory_error(
@@ -78,8 +83,9 @@ class InventoryMachine:
         )
 
 
-def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachine]:
-    """The machines of the inventory at path, every field checked; InventoryError naming the first problem."""
+def load_inventory(path: Path, provider: str = "static", *, secrets: BmcSecretRules) -> list[InventoryMachine]:
+    """The machines of the inventory at path, every field checked, BMC passwords against the secrets' rules;
+    InventoryError naming the first problem."""
 
     def refuse(problem: str, line: int = 0, machine: str | None = None) -> InventoryError:
         return _inventory_error(path, provider, problem, line, machine)
@@ -112,17 +118,18 @@ def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachin
 
     machines: list[InventoryMachine] = []
     seen: dict[str, int] = {}
+    check = secrets.file_check()
     for table, line in zip(tables, lines, strict=True):
         raw_id = table.get("id")
         machine_id = raw_id if isinstance(raw_id, str) and INVENTORY_ID.fullmatch(raw_id) else None
         try:
-            machine = _machine(table, line, path.parent)
+            machine = _machine(table, line, path.parent, secrets)
         except Refusal as problem:
             raise refuse(str(problem), line, machine_id) from None
         if machine.id in seen:
             first = f"line {seen[machine.id]}" if seen[machine.id] else "an earlier table"
             raise refuse(f"duplicate id, first listed at {first}", line, machine.id)
-        refusal = password_file_refusal(path, provider, machine)
+        refusal = password_file_refusal(path, provider, machine, check)
         if refusal is not None:
             raise refusal
         seen[machine.id] = line
@@ -130,7 +137,7 @@ def load_inventory(path: Path, provider: str = "static") -> list[InventoryMachin
     return machines
 
 
-def _machine(table: dict[str, Any], line: int, base: Path) -> InventoryMachine:
+def _machine(table: dict[str, Any], line: int, base: Path, secrets: BmcSecretRules) -> InventoryMachine:
     """One [[machines]] table, checked; Refusal with the problem."""
     known_keys(table, _MACHINE_KEYS, "")
     machine_id = table.get("id")
@@ -153,7 +160,7 @@ def _machine(table: dict[str, Any], line: int, base: Path) -> InventoryMachine:
         host=host,
         port=port,
         ssh_user=user,
-        bmc=bmc_config(bmc, base) if bmc is not None else None,
+        bmc=bmc_config(bmc, base, secrets) if bmc is not None else None,
         line=line,
         location=location,
     )

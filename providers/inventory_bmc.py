@@ -1,7 +1,9 @@
 """A machine's [machines.bmc] table in the static inventory: its BMC, Redfish or IPMI, each key checked.
 
 The password stays in a file only its owner reads, or in a variable, until the BMC is used: each pass checks the
-file's metadata, and a reboot reads it.
+file's metadata, and a reboot reads it. The file must be in the BMC secrets directory and the variable of the BMC
+password prefix (providers.bmc_secrets), and a Redfish BMC is reached over https:// unless the table consents to
+http:// in so many words: whatever the inventory names is sent to the URL it gives.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from foundation.secret_files import SecretFileError, read_secret_file
 from providers import ProviderError
+from providers.bmc_secrets import BmcSecretRules
 from providers.ipmi import DEFAULT_PORT, IpmiEndpoint
 from providers.redfish import RedfishEndpoint
 from providers.ssh_address import HOSTNAME
@@ -24,7 +27,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LOGIN_KEYS = ("username", "password_file", "password_env")
 # The keys of a [machines.bmc] table by its type; a key of the other type is refused by name.
 _BMC_KEYS = {
-    "redfish": ("type", "url", "system", *_LOGIN_KEYS, "ca_file", "verify_tls"),
+    "redfish": ("type", "url", "system", *_LOGIN_KEYS, "ca_file", "verify_tls", "insecure_http"),
     "ipmi": ("type", "host", "port", *_LOGIN_KEYS),
 }
 # An IPMI user name is at most 16 bytes (the RAKP messages of an IPMI 2.0 login).
@@ -48,11 +51,17 @@ class _BmcLogin:
     username: str
     password_file: Path | None = None
     password_env: str | None = None
+    # The rules the inventory was read under, applied again when the password is read: the file may have been
+    # replaced by a link since.
+    secrets: BmcSecretRules = field(compare=False, repr=False)
 
     def _password(self, machine: str, provider: str) -> str:
         """The BMC password, read now from its variable or file; InventoryError when it cannot serve."""
         if self.password_env is None:
             assert self.password_file is not None  # load_inventory demands one of the two
+            refusal = self.secrets.file_check().refusal(self.password_file)
+            if refusal is not None:
+                raise InventoryError(provider, f"machine {machine!r}: BMC password file {self.password_file} {refusal}")
             try:
                 return read_secret_file(self.password_file)
             except SecretFileError as problem:
@@ -121,8 +130,9 @@ def known_keys(table: dict[str, Any], known: tuple[str, ...], prefix: str) -> No
         raise Refusal(f"unknown key(s) {names} (known: {', '.join(prefix + key for key in known)})")
 
 
-def bmc_config(table: dict[str, Any], base: Path) -> BMCConfig:
-    """One [machines.bmc] table, checked; relative paths are relative to the inventory's folder."""
+def bmc_config(table: dict[str, Any], base: Path, secrets: BmcSecretRules) -> BMCConfig:
+    """One [machines.bmc] table, checked against the rules of where its password may come from; relative paths are
+    relative to the inventory's folder."""
     if "password" in table:
         raise Refusal("bmc.password: never inline: use password_file or password_env")
     kind = table.get("type")
@@ -136,11 +146,11 @@ def bmc_config(table: dict[str, Any], base: Path) -> BMCConfig:
             takes = ", ".join(key for key in own if key not in ("type", *_LOGIN_KEYS))
             raise Refusal(f"{names} is for a bmc of type = {other!r}; type = {kind!r} takes {takes}")
     known_keys(table, own, "bmc.")
-    login = _bmc_login(table, base)
+    login = _bmc_login(table, base, secrets)
     return _redfish_bmc(table, base, login) if kind == "redfish" else _ipmi_bmc(table, login)
 
 
-def _bmc_login(table: dict[str, Any], base: Path) -> dict[str, Any]:
+def _bmc_login(table: dict[str, Any], base: Path, secrets: BmcSecretRules) -> dict[str, Any]:
     """The username and the password's file or variable of a [machines.bmc] table, checked, as _BmcLogin's
     fields."""
     username = table.get("username")
@@ -155,10 +165,14 @@ def _bmc_login(table: dict[str, Any], base: Path) -> dict[str, Any]:
         raise Refusal(f"bmc.password_file must be a path, got {password_file!r}")
     if password_env is not None and (not isinstance(password_env, str) or not _ENV_NAME.fullmatch(password_env)):
         raise Refusal(f"bmc.password_env must be an environment variable name, got {password_env!r}")
+    refusal = secrets.variable_refusal(password_env) if password_env is not None else None
+    if refusal is not None:
+        raise Refusal(refusal)
     return {
         "username": username,
         "password_file": base / password_file if password_file is not None else None,
         "password_env": password_env,
+        "secrets": secrets,
     }
 
 
@@ -178,6 +192,16 @@ def _redfish_bmc(table: dict[str, Any], base: Path, login: dict[str, Any]) -> Re
         raise bad_url from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise bad_url
+    insecure_http = table.get("insecure_http", False)
+    if not isinstance(insecure_http, bool):
+        raise Refusal(f"bmc.insecure_http must be true or false, got {insecure_http!r}")
+    if parts.scheme == "http" and not insecure_http:
+        raise Refusal(
+            f"bmc.url {url} is http://, so the BMC password would cross the network in clear text: give the BMC's "
+            "https:// URL, or write insecure_http = true in this [machines.bmc] to consent"
+        )
+    if parts.scheme == "https" and insecure_http:
+        raise Refusal("bmc.insecure_http = true goes with an http:// url; this one is https://, so drop it")
     system = table.get("system")
     if system is not None and (not isinstance(system, str) or not system.startswith("/")):
         raise Refusal(f"bmc.system must be a path such as /redfish/v1/Systems/1, got {system!r}")

@@ -38,7 +38,8 @@ from providers import (
 )
 from providers.ironic_api import IronicAPI, Node, NodeConflict, is_node_id
 from providers.ironic_inventory import InventoryAddresses
-from providers.ironic_options import IronicOptions, parse_address, read_options
+from providers.ironic_options import SECRET_OPTIONS, IronicOptions, parse_address, read_options
+from providers.registry import secret_options
 
 log = logging.getLogger(__name__)
 
@@ -399,6 +400,7 @@ def connect(options: IronicOptions) -> Any:
     )
 
 
+@secret_options(*SECRET_OPTIONS)
 def from_settings(instance: ProviderInstance, settings: Settings) -> IronicProvider:
     """The shepherd.providers entry point: the options are docs/providers.md's Ironic section."""
     options = read_options(instance, settings.provider_timeout)

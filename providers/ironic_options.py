@@ -52,6 +52,9 @@ OPTIONS = (
     "ssh_user",
     "power_timeout",
 )
+# Options whose value is a secret: never shown by shepherd config or doctor, never quoted in an error. Ironic's
+# password is refused inline (it belongs in password_file or password_env), and hidden should one be written anyway.
+SECRET_OPTIONS = ("password",)
 AUTH_TYPES = ("none", "http_basic")
 # The node tables an address may be read from; driver_info is left out: it holds the BMC's credentials.
 ADDRESS_TABLES = ("extra", "instance_info", "properties")
@@ -146,6 +149,9 @@ def read_options(instance: ProviderInstance, default_timeout: float) -> IronicOp
         raise error("name Ironic by endpoint (its URL) or by cloud (a clouds.yaml cloud), one of the two")
     if endpoint is not None and not endpoint.startswith(("http://", "https://")):
         raise error(f"endpoint must be an http:// or https:// URL, got {endpoint!r}")
+    if endpoint is not None and "@" in endpoint.split("://", 1)[1].split("/", 1)[0]:
+        # Not echoed: what precedes the @ may be a password, and the endpoint is in every error of the instance.
+        raise error("endpoint must not carry credentials: use auth = http_basic with username and password_file")
     if cloud is None and options.get("clouds_file") is not None:
         raise error("clouds_file goes with cloud")
     auth = text("auth") or "none"

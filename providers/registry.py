@@ -3,21 +3,57 @@
 An entry point names a factory ``(instance, settings) -> Provider``; it checks
 the instance's options and raises SettingsError naming the one that is wrong.
 A third party ships a provider as a package that declares such an entry point.
+A factory marks the options that hold secrets with ``@secret_options(...)``:
+``shepherd config`` and ``shepherd doctor`` show them as ***, and its errors lose them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
+from typing import TypeVar
 
 from foundation.provider_instances import ProviderInstance
-from foundation.setting_values import SettingsError, parse_duration
+from foundation.redaction import redact_text, secret_name
+from foundation.setting_values import ENV_PREFIX, SettingsError, parse_duration
 from foundation.settings import Settings
 from providers import Provider
 
 ENTRY_POINT_GROUP = "shepherd.providers"
 
 ProviderFactory = Callable[[ProviderInstance, Settings], Provider]
+Factory = TypeVar("Factory", bound=Callable[..., object])
+
+# Where @secret_options keeps the names on the factory.
+_SECRET_OPTIONS = "shepherd_secret_options"
+
+
+def secret_options(*names: str) -> Callable[[Factory], Factory]:
+    """Mark options of a provider type as secret, on its factory: never shown, never in an error or a log line.
+
+    Options named as secrets (ending in password, token, secret, api_key, ...) are hidden whether marked or not.
+    """
+
+    def mark(factory: Factory) -> Factory:
+        setattr(factory, _SECRET_OPTIONS, frozenset(names))
+        return factory
+
+    return mark
+
+
+def declared_secret_options(
+    instance: ProviderInstance, types: dict[str, EntryPoint] | None = None
+) -> frozenset[str] | None:
+    """The options of the instance that its type marks secret; None when the type cannot be loaded to say."""
+    types = provider_types() if types is None else types
+    point = types.get(instance.type)
+    if point is None:
+        return None
+    try:
+        factory = point.load()
+    except ImportError:
+        return None
+    return frozenset(getattr(factory, _SECRET_OPTIONS, frozenset()))
 
 
 def provider_types() -> dict[str, EntryPoint]:
@@ -52,7 +88,15 @@ def open_provider(
             "providers",
             f"instance {instance.name!r}: provider type {instance.type!r} ({point.value}) cannot be loaded: {error}",
         ) from None
-    return factory(instance, settings)
+    try:
+        return factory(instance, settings)
+    except SettingsError as error:
+        # A factory may quote an option it refuses; the worker's start, doctor and the logs show this message.
+        marked: frozenset[str] = getattr(factory, _SECRET_OPTIONS, frozenset())
+        secrets = [value for name, value in instance.options.items() if name in marked or secret_name(name)]
+        prefix = f"setting {error.setting} ({ENV_PREFIX}{error.setting.upper()}): "
+        problem = redact_text(str(error).removeprefix(prefix), secrets)
+        raise SettingsError(error.setting, problem) from None
 
 
 def unknown_options(instance: ProviderInstance, known: tuple[str, ...]) -> None:

@@ -18,6 +18,7 @@ from foundation.provider_instances import ProviderInstance
 from foundation.setting_values import SettingsError
 from foundation.settings import Settings
 from providers import MachineNotFound, ProviderError, ProviderMachine, Rebooted, RetireAction, Retired
+from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import INVENTORY_ID, InventoryMachine, load_inventory, password_file_refusal
 from providers.inventory_bmc import BmcEndpoint
 from providers.ipmi import IpmiEndpoint, IpmiPowerControl
@@ -65,11 +66,13 @@ class StaticProvider:
         name: str,
         inventory: Path,
         *,
+        secrets: BmcSecretRules,
         timeouts: PowerTimeouts = PowerTimeouts(),
         power: Callable[[str, BmcEndpoint], PowerControl] | None = None,
     ) -> None:
         self._name = name
         self.inventory = inventory
+        self._secrets = secrets
         # power stands in for the BMC's own power control, chosen by its type, in the tests.
         self._power: Callable[[str, BmcEndpoint], PowerControl] = power or (
             lambda provider, endpoint: power_control(provider, endpoint, timeouts)
@@ -92,14 +95,18 @@ class StaticProvider:
             status = self.inventory.stat()
         except OSError:
             # A file that cannot be read: load_inventory says what is wrong with it, as the operator's problem.
-            return {machine.id: machine for machine in load_inventory(self.inventory, self._name)}
+            return self._load()
         version = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
         cached = self._parsed
         if cached is not None and cached[0] == version:
             return cached[1]
-        machines = {machine.id: machine for machine in load_inventory(self.inventory, self._name)}
+        machines = self._load()
         self._parsed = (version, machines)
         return machines
+
+    def _load(self) -> dict[str, InventoryMachine]:
+        """The inventory's machines by id, parsed now."""
+        return {machine.id: machine for machine in load_inventory(self.inventory, self._name, secrets=self._secrets)}
 
     async def _machines(self) -> dict[str, InventoryMachine]:
         """The inventory's machines by id, read in a thread."""
@@ -123,8 +130,9 @@ class StaticProvider:
 
     def _check_password_files(self, machines: Iterable[InventoryMachine]) -> None:
         """InventoryError for the first machine whose BMC password file cannot serve."""
+        check = self._secrets.file_check()
         for machine in machines:
-            refusal = password_file_refusal(self.inventory, self._name, machine)
+            refusal = password_file_refusal(self.inventory, self._name, machine, check)
             if refusal is not None:
                 raise refusal
 
@@ -195,4 +203,6 @@ def from_settings(instance: ProviderInstance, settings: Settings) -> StaticProvi
             f"must exceed instance {instance.name!r}'s graceful_timeout + 2 x power_back_timeout "
             f"({longest:g}s), got {settings.reboot_timeout:g}s",
         )
-    return StaticProvider(instance.name, Path(inventory), timeouts=timeouts)
+    return StaticProvider(
+        instance.name, Path(inventory), secrets=BmcSecretRules.from_settings(settings), timeouts=timeouts
+    )

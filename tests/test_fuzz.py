@@ -25,6 +25,7 @@ from lifecycle.machine_text import MAX_TEXT, machine_text, machine_warnings
 from lifecycle.takeover_failures import TakeoverError, TakeoverTarget, parse_reply
 from processes.heartbeat_service import HeartbeatRejected, HeartbeatService
 from proto import agent_api_pb2, takeover_pb2
+from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import InventoryError, load_inventory
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -166,7 +167,10 @@ def test_any_settings_file_gives_settings_or_a_settings_error(scratch, document)
 
 
 INVENTORY_KEYS = st.sampled_from(
-    ["id", "ssh", "user", "bmc", "type", "url", "host", "port", "username", "password_file", "x"]
+    [
+        *("id", "ssh", "user", "bmc", "type", "url", "host", "port", "username", "password_file", "password_env"),
+        *("insecure_http", "x"),
+    ]
 )
 INVENTORY_VALUES = st.one_of(
     TOML_VALUES,
@@ -186,7 +190,7 @@ def inventories() -> st.SearchStrategy[str]:
 def test_any_inventory_gives_machines_or_an_inventory_error(scratch, document):
     scratch.write_text(document)
     try:
-        machines = load_inventory(scratch)
+        machines = load_inventory(scratch, secrets=BmcSecretRules(scratch.parent, "BMC_PASSWORD_", {}))
     except InventoryError as error:
         assert str(error).startswith("provider static: ")
         return

@@ -14,6 +14,7 @@ import pytest
 
 from foundation.settings import Settings
 from providers import ProviderProtocolError, RetireAction
+from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import load_inventory
 from providers.ipmi import IpmiEndpoint, IpmiPowerControl
 from providers.power import BmcCredentialsRejected, BmcUnavailable, PowerTimeouts, RebootNotConfirmed
@@ -168,6 +169,11 @@ async def test_uses_of_one_bmc_take_turns_and_each_logs_out(ipmi: IpmiBmcs) -> N
     assert sessions == [f"login {ipmi.username}", "logout"] * 2
 
 
+def in_folder(tmp_path: Path) -> BmcSecretRules:
+    """A worker's rules for BMC passwords, its BMC secrets directory the test's folder."""
+    return BmcSecretRules.from_settings(Settings(bmc_secrets_dir=tmp_path, state_dir=tmp_path / "state"))
+
+
 def inventory(tmp_path: Path, ipmi: IpmiBmcs, bmcs: dict[str, str], ssh: str = "10.0.0.21") -> Path:
     secret = tmp_path / "bmc-password"
     secret.write_text(ipmi.password + "\n")
@@ -186,7 +192,7 @@ async def test_the_static_provider_reboots_and_retires_a_machine_through_its_ipm
     tmp_path: Path, ipmi: IpmiBmcs
 ) -> None:
     path = inventory(tmp_path, ipmi, {"rack2-node1": "static", "rack2-node2": "static-retire"})
-    provider = StaticProvider("rack2", path, timeouts=FAST)
+    provider = StaticProvider("rack2", path, secrets=in_folder(tmp_path), timeouts=FAST)
     rebooted = await provider.reboot_machine("rack2-node1")
     assert rebooted.went_down
     assert rebooted.detail.startswith("soft off; off after ") and rebooted.detail.endswith("; power On")
@@ -201,7 +207,8 @@ async def test_the_static_provider_reboots_and_retires_a_machine_through_its_ipm
 
 async def test_inventory_check_logs_in_to_an_ipmi_bmc(tmp_path: Path, ipmi: IpmiBmcs) -> None:
     # SSH to a closed port fails at once; the BMC's part of the check is what is looked at.
-    [machine] = load_inventory(inventory(tmp_path, ipmi, {"rack2-node4": "probe"}, ssh=f"127.0.0.1:{free_port()}"))
+    listed = inventory(tmp_path, ipmi, {"rack2-node4": "probe"}, ssh=f"127.0.0.1:{free_port()}")
+    [machine] = load_inventory(listed, secrets=in_folder(tmp_path))
     key = asyncssh.generate_private_key("ssh-ed25519")
     check = await check_machine(machine, key, Settings(ssh_connect_timeout=2.0, provider_timeout=5.0), "static")
     assert not check.ssh_ok

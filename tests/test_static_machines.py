@@ -84,8 +84,12 @@ def inventory_entry(machine: str, sshd: Sshd, bmc_lines: list[str]) -> str:
 
 
 def bmc_lines(bmc: Bmc, system: str, password_file: Path, url: str | None = None) -> list[str]:
+    url = url or bmc.url
+    # The emulator serves plain HTTP on loopback: consent, as an operator must write it.
+    consent = ["insecure_http = true"] if url.startswith("http://") else []
     return [
-        f'url = "{url or bmc.url}"',
+        f'url = "{url}"',
+        *consent,
         f'system = "{system}"',
         f'username = "{bmc.username}"',
         f'password_file = "{password_file}"',
@@ -184,6 +188,8 @@ async def lab_stack(
             providers=tuple(instances),
             reboot_timeout=120.0,
             ssh_key_path=key,
+            # The tests' BMC password files are written to their own folder.
+            bmc_secrets_dir=tmp_path,
             agent_target_path=agent_target_path or str(tmp_path / "machine" / "agent"),
             agent_endpoint=endpoint,
             agent_endpoint_ca_certificate_path=ca,
@@ -365,6 +371,7 @@ async def test_inventory_check_probes_ssh_and_bmc_of_every_machine(tmp_path, ssh
     key = tmp_path / "shepherd_ssh_key"
     write_private_key(key, sshd.client_key)
     env = {"SHEPHERD_SSH_KEY_PATH": str(key), "SHEPHERD_SSH_CONNECT_TIMEOUT": "2s", "SHEPHERD_PROVIDER_TIMEOUT": "3s"}
+    env["SHEPHERD_BMC_SECRETS_DIR"] = str(tmp_path)
     right = secret_file(tmp_path / "right-password", lab_bmc.password)
     wrong = secret_file(tmp_path / "wrong-password", "not-the-password")
     good = inventory_entry("lab-01", sshd, bmc_lines(lab_bmc, lab_bmc.systems["lab-01"], right))

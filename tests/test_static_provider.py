@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from foundation.settings import Settings
 from providers import Availability, MachineNotFound, ProviderMachine, RetireAction
+from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import InventoryError, load_inventory
 from providers.inventory_bmc import IpmiBMC, RedfishBMC
 from providers.ipmi import IpmiEndpoint, IpmiPowerControl
@@ -51,7 +53,7 @@ ssh = "[::1]"
 FIRST = '[[machines]]\nid = "good"\nssh = "10.0.0.1"\n\n'
 AT = " line 5 machine 'rack1-node02'"
 BMC = '[machines.bmc]\ntype = "redfish"\nurl = "https://bmc"\nusername = "admin"\n'
-IPMI = '[machines.bmc]\ntype = "ipmi"\nhost = "10.0.1.12"\nusername = "admin"\npassword_env = "P"\n'
+IPMI = '[machines.bmc]\ntype = "ipmi"\nhost = "10.0.1.12"\nusername = "admin"\npassword_env = "BMC_PASSWORD_P"\n'
 
 
 def machine(body: str, bmc: str = "") -> str:
@@ -67,7 +69,7 @@ BAD = {
     "unknown machine key": (AT, machine('ssh = "h"\nsshh = "h2"'), ["unknown key(s) 'sshh'"]),
     "unknown bmc key": (
         AT,
-        machine('ssh = "h"', BMC + 'password_env = "P"\nsystme = "/x"\n'),
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\nsystme = "/x"\n'),
         ["unknown key(s) 'bmc.systme'", "known: bmc.type, bmc.url, bmc.system"],
     ),
     "unknown ipmi bmc key": (
@@ -103,12 +105,12 @@ BAD = {
     "bmc not a table": (AT, machine('ssh = "h"\nbmc = "redfish"'), ["bmc must be a [machines.bmc] table"]),
     "bmc type": (
         AT,
-        machine('ssh = "h"', BMC.replace("redfish", "idrac") + 'password_env = "P"\n'),
+        machine('ssh = "h"', BMC.replace("redfish", "idrac") + 'password_env = "BMC_PASSWORD_P"\n'),
         ["bmc.type must be 'redfish' or 'ipmi'", "'idrac'"],
     ),
     "bmc type not a string": (
         AT,
-        machine('ssh = "h"', BMC.replace('"redfish"', "[1]") + 'password_env = "P"\n'),
+        machine('ssh = "h"', BMC.replace('"redfish"', "[1]") + 'password_env = "BMC_PASSWORD_P"\n'),
         ["bmc.type must be 'redfish' or 'ipmi'", "[1]"],
     ),
     "ipmi bmc with url": (
@@ -123,12 +125,12 @@ BAD = {
     ),
     "redfish bmc with host": (
         AT,
-        machine('ssh = "h"', BMC + 'password_env = "P"\nhost = "10.0.1.11"\n'),
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\nhost = "10.0.1.11"\n'),
         ["'bmc.host' is for a bmc of type = 'ipmi'; type = 'redfish' takes url, system, ca_file, verify_tls"],
     ),
     "ipmi inline password": (
         AT,
-        machine('ssh = "h"', IPMI.replace('password_env = "P"', f'password = "{SECRET}"')),
+        machine('ssh = "h"', IPMI.replace('password_env = "BMC_PASSWORD_P"', f'password = "{SECRET}"')),
         ["bmc.password: never inline: use password_file or password_env"],
     ),
     "ipmi missing host": (
@@ -162,57 +164,89 @@ BAD = {
     ),
     "ipmi no password": (
         AT,
-        machine('ssh = "h"', IPMI.replace('password_env = "P"\n', "")),
+        machine('ssh = "h"', IPMI.replace('password_env = "BMC_PASSWORD_P"\n', "")),
         ["exactly one of password_file and password_env"],
     ),
     "bmc url scheme": (
         AT,
-        machine('ssh = "h"', BMC.replace("https://bmc", "ftp://bmc") + 'password_env = "P"\n'),
+        machine('ssh = "h"', BMC.replace("https://bmc", "ftp://bmc") + 'password_env = "BMC_PASSWORD_P"\n'),
         ["bmc.url must be an http:// or https:// URL"],
     ),
     "bmc url no scheme": (
         AT,
-        machine('ssh = "h"', BMC.replace("https://bmc", "10.0.1.11") + 'password_env = "P"\n'),
+        machine('ssh = "h"', BMC.replace("https://bmc", "10.0.1.11") + 'password_env = "BMC_PASSWORD_P"\n'),
         ["bmc.url must be an http:// or https:// URL"],
     ),
     "bmc url credentials": (
         AT,
-        machine('ssh = "h"', BMC.replace("https://bmc", f"ftp://admin:{SECRET}@bmc") + 'password_env = "P"\n'),
+        machine(
+            'ssh = "h"', BMC.replace("https://bmc", f"ftp://admin:{SECRET}@bmc") + 'password_env = "BMC_PASSWORD_P"\n'
+        ),
         ["must not carry credentials"],
     ),
     "bmc url bad port": (
         AT,
-        machine('ssh = "h"', BMC.replace("https://bmc", "https://bmc:99999") + 'password_env = "P"\n'),
+        machine('ssh = "h"', BMC.replace("https://bmc", "https://bmc:99999") + 'password_env = "BMC_PASSWORD_P"\n'),
         ["bmc.url must be an http:// or https:// URL"],
     ),
     "bmc missing username": (
         AT,
-        machine('ssh = "h"', BMC.replace('username = "admin"\n', "") + 'password_env = "P"\n'),
+        machine('ssh = "h"', BMC.replace('username = "admin"\n', "") + 'password_env = "BMC_PASSWORD_P"\n'),
         ["missing bmc.username"],
     ),
     "bmc no password": (AT, machine('ssh = "h"', BMC), ["exactly one of password_file and password_env"]),
     "bmc both passwords": (
         AT,
-        machine('ssh = "h"', BMC + 'password_env = "P"\npassword_file = "/p"\n'),
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\npassword_file = "/p"\n'),
         ["exactly one of password_file and password_env"],
     ),
     "bmc bad env name": (AT, machine('ssh = "h"', BMC + 'password_env = "NOT-A-NAME"\n'), ["bmc.password_env must be"]),
     "bmc system not a path": (
         AT,
-        machine('ssh = "h"', BMC + 'password_env = "P"\nsystem = "1"\n'),
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\nsystem = "1"\n'),
         ["bmc.system must be a path"],
     ),
     "verify_tls false with ca_file": (
         AT,
-        machine('ssh = "h"', BMC + 'password_env = "P"\nverify_tls = false\nca_file = "/ca.pem"\n'),
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\nverify_tls = false\nca_file = "/ca.pem"\n'),
         ["verify_tls = false and ca_file contradict"],
     ),
     "verify_tls not a bool": (
         AT,
-        machine('ssh = "h"', BMC + 'password_env = "P"\nverify_tls = "no"\n'),
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\nverify_tls = "no"\n'),
         ["bmc.verify_tls must be true or false"],
     ),
+    "bmc password variable of Shepherd's own": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "SHEPHERD_DATABASE_URL"\n'),
+        ["bmc.password_env SHEPHERD_DATABASE_URL does not start with BMC_PASSWORD_ (setting bmc_password_env_prefix)"],
+    ),
+    "ipmi password variable of Temporal's": (
+        AT,
+        machine('ssh = "h"', IPMI.replace('"BMC_PASSWORD_P"', '"TEMPORAL_API_KEY"')),
+        ["bmc.password_env TEMPORAL_API_KEY does not start with BMC_PASSWORD_"],
+    ),
+    "bmc http url": (
+        AT,
+        machine('ssh = "h"', BMC.replace("https://bmc", "http://bmc:8000") + 'password_env = "BMC_PASSWORD_P"\n'),
+        ["bmc.url http://bmc:8000 is http://", "clear text", "write insecure_http = true in this [machines.bmc]"],
+    ),
+    "insecure_http with an https url": (
+        AT,
+        machine('ssh = "h"', BMC + 'password_env = "BMC_PASSWORD_P"\ninsecure_http = true\n'),
+        ["bmc.insecure_http = true goes with an http:// url"],
+    ),
+    "insecure_http not a bool": (
+        AT,
+        machine('ssh = "h"', BMC.replace("https", "http") + 'password_env = "BMC_PASSWORD_P"\ninsecure_http = "yes"\n'),
+        ["bmc.insecure_http must be true or false"],
+    ),
 }
+
+
+def rules(folder: Path) -> BmcSecretRules:
+    """A worker's rules for BMC passwords with the test's folder as its BMC secrets directory."""
+    return BmcSecretRules.from_settings(Settings(bmc_secrets_dir=folder, state_dir=folder / "state"))
 
 
 def write(path: Path, text: str) -> Path:
@@ -240,7 +274,7 @@ def test_bad_inventory_is_refused_in_one_line_naming_file_line_and_machine(
 ) -> None:
     path = write(tmp_path / "inventory.toml", text)
     with pytest.raises(InventoryError) as caught:
-        load_inventory(path, "rack")
+        load_inventory(path, "rack", secrets=rules(tmp_path))
     message = one_line(caught.value)
     assert caught.value.retryable is False
     assert message.startswith(f"provider rack: inventory {path}{where}: ")
@@ -251,12 +285,12 @@ def test_bad_inventory_is_refused_in_one_line_naming_file_line_and_machine(
 def test_unreadable_inventory(tmp_path: Path) -> None:
     path = tmp_path / "missing.toml"
     with pytest.raises(InventoryError) as caught:
-        load_inventory(path)
+        load_inventory(path, secrets=rules(tmp_path))
     assert one_line(caught.value) == f"provider static: inventory {path}: cannot be read: No such file or directory"
 
 
 def test_good_inventory(tmp_path: Path) -> None:
-    machines = load_inventory(good_inventory(tmp_path))
+    machines = load_inventory(good_inventory(tmp_path), secrets=rules(tmp_path))
     assert [(m.id, m.host, m.port, m.ssh_user, m.line) for m in machines] == [
         ("rack1-node01", "10.0.0.11", 22, "admin", 3),
         # Without ssh_user: None, so the ssh_user setting (default root) applies.
@@ -273,7 +307,7 @@ def test_good_inventory(tmp_path: Path) -> None:
         tmp_path / "bmc-ca.pem",
         True,
     )
-    assert load_inventory(write(tmp_path / "empty.toml", "")) == []
+    assert load_inventory(write(tmp_path / "empty.toml", ""), secrets=rules(tmp_path)) == []
 
 
 IPMI_MACHINES = """
@@ -284,7 +318,7 @@ ssh = "10.0.0.31"
 type = "ipmi"
 host = "bmc-31.rack3.example.net"
 username = "ADMIN"
-password_env = "SHEPHERD_TEST_IPMI"
+password_env = "BMC_PASSWORD_TEST_IPMI"
 
 [[machines]]
 id = "ipmi-v4-port"
@@ -303,20 +337,20 @@ ssh = "[fd00::33]"
 type = "ipmi"
 host = "fd00:1::33"
 username = "ADMIN"
-password_env = "SHEPHERD_TEST_IPMI"
+password_env = "BMC_PASSWORD_TEST_IPMI"
 """
 
 
 def test_ipmi_bmcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "bmc").mkdir()
     write(tmp_path / "bmc" / "ipmi", SECRET + "\n").chmod(0o600)
-    by_name, v4, v6 = load_inventory(write(tmp_path / "inventory.toml", IPMI_MACHINES))
+    by_name, v4, v6 = load_inventory(write(tmp_path / "inventory.toml", IPMI_MACHINES), secrets=rules(tmp_path))
     assert isinstance(by_name.bmc, IpmiBMC) and isinstance(v4.bmc, IpmiBMC) and isinstance(v6.bmc, IpmiBMC)
     assert (by_name.bmc.type, by_name.bmc.host, by_name.bmc.port) == ("ipmi", "bmc-31.rack3.example.net", 623)
     assert (v4.bmc.host, v4.bmc.port, v4.bmc.password_file) == ("10.0.1.32", 6230, tmp_path / "bmc" / "ipmi")
     assert (v6.bmc.host, v6.bmc.port) == ("fd00:1::33", 623)
 
-    monkeypatch.setenv("SHEPHERD_TEST_IPMI", SECRET)
+    monkeypatch.setenv("BMC_PASSWORD_TEST_IPMI", SECRET)
     endpoint = v6.bmc.endpoint(v6.id, "rack")
     assert endpoint == IpmiEndpoint(machine="ipmi-v6", host="fd00:1::33", username="ADMIN", password=SECRET, port=623)
     assert endpoint.address == "[fd00:1::33]:623" and SECRET not in repr(endpoint)
@@ -324,11 +358,11 @@ def test_ipmi_bmcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Its password file is checked on every pass, as a Redfish BMC's.
     (tmp_path / "bmc" / "ipmi").chmod(0o640)
     with pytest.raises(InventoryError, match=r"line 11 machine 'ipmi-v4-port': BMC password file .* is readable"):
-        load_inventory(tmp_path / "inventory.toml")
+        load_inventory(tmp_path / "inventory.toml", secrets=rules(tmp_path))
 
 
 async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
-    provider = StaticProvider("rack", good_inventory(tmp_path))
+    provider = StaticProvider("rack", secrets=rules(tmp_path), inventory=good_inventory(tmp_path))
     assert provider.name == "rack"
     listed = await provider.list_machines()
     assert [m.provider_id for m in listed] == ["rack1-node01", "rack1-node02", "node.03_b", "v6-default-port"]
@@ -348,7 +382,7 @@ async def test_machines_as_the_provider_shows_them(tmp_path: Path) -> None:
 
 async def test_the_inventory_is_read_again_whenever_it_changes(tmp_path: Path) -> None:
     path = good_inventory(tmp_path)
-    provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
+    provider = StaticProvider("rack", secrets=rules(tmp_path), inventory=path, power=FakePowerControl.factory([]))
     assert len(await provider.list_machines()) == 4
 
     write(path, GOOD.split("[[ machines]]")[0] + '[[machines]]\nid = "rack2-node01"\nssh = "10.0.2.1"\n')
@@ -375,7 +409,7 @@ async def test_an_unchanged_inventory_is_parsed_once(tmp_path: Path, monkeypatch
         return load_inventory(*args, **kwargs)
 
     monkeypatch.setattr("providers.static.load_inventory", counted)
-    provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
+    provider = StaticProvider("rack", secrets=rules(tmp_path), inventory=path, power=FakePowerControl.factory([]))
     assert len(await provider.list_machines()) == 4
     assert (await provider.get_machine("rack1-node02")).ssh_port == 2222
     await provider.create_machine("node.03_b", "key", "ssh-ed25519 AAAA")
@@ -416,6 +450,7 @@ ssh = "10.0.0.11"
 [machines.bmc]
 type = "redfish"
 url = "http://10.0.1.11:8000"
+insecure_http = true
 username = "admin"
 {password}
 """
@@ -428,7 +463,10 @@ async def test_reboot_goes_through_the_bmc_once(tmp_path: Path, caplog: pytest.L
     secret.chmod(0o600)
     calls: list = []
     provider = StaticProvider(
-        "rack", bmc_inventory(tmp_path, 'password_file = "password"'), power=FakePowerControl.factory(calls)
+        "rack",
+        secrets=rules(tmp_path),
+        inventory=bmc_inventory(tmp_path, 'password_file = "password"'),
+        power=FakePowerControl.factory(calls),
     )
     rebooted = await provider.reboot_machine("rack1-node01")
     assert rebooted.went_down, "the BMC's power state was read back off, then on"
@@ -443,12 +481,15 @@ async def test_reboot_goes_through_the_bmc_once(tmp_path: Path, caplog: pytest.L
 
 
 async def test_reboot_through_an_ipmi_bmc_gets_its_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHEPHERD_TEST_IPMI", SECRET)
+    monkeypatch.setenv("BMC_PASSWORD_TEST_IPMI", SECRET)
     (tmp_path / "bmc").mkdir()
     write(tmp_path / "bmc" / "ipmi", SECRET).chmod(0o600)
     calls: list = []
     provider = StaticProvider(
-        "rack", write(tmp_path / "inventory.toml", IPMI_MACHINES), power=FakePowerControl.factory(calls)
+        "rack",
+        secrets=rules(tmp_path),
+        inventory=write(tmp_path / "inventory.toml", IPMI_MACHINES),
+        power=FakePowerControl.factory(calls),
     )
     rebooted = await provider.reboot_machine("ipmi-by-name")
     assert rebooted.went_down
@@ -469,7 +510,9 @@ def test_the_power_control_is_chosen_by_the_bmc_type() -> None:
 
 async def test_reboot_without_bmc_is_for_a_person(tmp_path: Path) -> None:
     calls: list = []
-    provider = StaticProvider("rack", good_inventory(tmp_path), power=FakePowerControl.factory(calls))
+    provider = StaticProvider(
+        "rack", secrets=rules(tmp_path), inventory=good_inventory(tmp_path), power=FakePowerControl.factory(calls)
+    )
     with pytest.raises(NoBMC) as caught:
         await provider.reboot_machine("rack1-node02")
     assert caught.value.retryable is False
@@ -483,14 +526,19 @@ async def test_retiring_powers_off_through_the_bmc_and_says_what_is_left_to_do_w
     secret.chmod(0o600)
     calls: list = []
     provider = StaticProvider(
-        "rack", bmc_inventory(tmp_path, 'password_file = "password"'), power=FakePowerControl.factory(calls)
+        "rack",
+        secrets=rules(tmp_path),
+        inventory=bmc_inventory(tmp_path, 'password_file = "password"'),
+        power=FakePowerControl.factory(calls),
     )
     retired = await provider.retire_machine("rack1-node01")
     assert retired.action is RetireAction.POWERED_OFF
     assert "fake: GracefulShutdown; off after 3s" in retired.detail and "out of the inventory" in retired.detail
     assert [call for call, _, _ in calls] == ["power_off"]
 
-    plain = StaticProvider("rack", good_inventory(tmp_path), power=FakePowerControl.factory(calls))
+    plain = StaticProvider(
+        "rack", secrets=rules(tmp_path), inventory=good_inventory(tmp_path), power=FakePowerControl.factory(calls)
+    )
     untouched = await plain.retire_machine("rack1-node02")
     assert untouched.action is RetireAction.UNTOUCHED and "power it off by hand" in untouched.detail
     gone = await plain.retire_machine("rack9-node99")
@@ -504,13 +552,13 @@ def test_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:
     inventory = bmc_inventory(tmp_path, f'password_file = "{secret}"')
     # Every pass checks the file (without reading it) and refuses the whole inventory in one line.
     with pytest.raises(InventoryError) as refused:
-        load_inventory(inventory)
+        load_inventory(inventory, secrets=rules(tmp_path))
     message = one_line(refused.value)
     assert f"inventory {inventory} line 2 machine 'rack1-node01': BMC password file {secret} is readable" in message
     assert f"chmod 600 {secret}" in message
 
     secret.chmod(0o600)
-    [listed] = load_inventory(inventory)
+    [listed] = load_inventory(inventory, secrets=rules(tmp_path))
     assert listed.bmc is not None and SECRET not in repr(listed)
     assert listed.bmc.endpoint(listed.id).password == SECRET
     # Made readable after the pass: the reboot that reads it refuses too.
@@ -533,7 +581,7 @@ def test_password_file_readable_by_others_is_refused(tmp_path: Path) -> None:
 def test_password_file_problems(tmp_path: Path, content: str | None, mode: int, expected: str) -> None:
     secret = write(tmp_path / "password", SECRET)
     secret.chmod(0o600)
-    [listed] = load_inventory(bmc_inventory(tmp_path, 'password_file = "password"'))
+    [listed] = load_inventory(bmc_inventory(tmp_path, 'password_file = "password"'), secrets=rules(tmp_path))
     assert listed.bmc is not None
     # Changed after the pass that listed it: the reboot reads the file and refuses.
     if content is None:
@@ -547,24 +595,24 @@ def test_password_file_problems(tmp_path: Path, content: str | None, mode: int, 
 
 
 def test_password_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    [listed] = load_inventory(bmc_inventory(tmp_path, 'password_env = "SHEPHERD_TEST_BMC"'))
+    [listed] = load_inventory(bmc_inventory(tmp_path, 'password_env = "BMC_PASSWORD_TEST"'), secrets=rules(tmp_path))
     assert listed.bmc is not None
-    monkeypatch.delenv("SHEPHERD_TEST_BMC", raising=False)
+    monkeypatch.delenv("BMC_PASSWORD_TEST", raising=False)
     with pytest.raises(InventoryError) as caught:
         listed.bmc.endpoint(listed.id)
-    assert "BMC password variable SHEPHERD_TEST_BMC is not set" in one_line(caught.value)
-    monkeypatch.setenv("SHEPHERD_TEST_BMC", "")
-    with pytest.raises(InventoryError, match="SHEPHERD_TEST_BMC is empty"):
+    assert "BMC password variable BMC_PASSWORD_TEST is not set" in one_line(caught.value)
+    monkeypatch.setenv("BMC_PASSWORD_TEST", "")
+    with pytest.raises(InventoryError, match="BMC_PASSWORD_TEST is empty"):
         listed.bmc.endpoint(listed.id)
-    monkeypatch.setenv("SHEPHERD_TEST_BMC", SECRET)
+    monkeypatch.setenv("BMC_PASSWORD_TEST", SECRET)
     assert listed.bmc.endpoint(listed.id).password == SECRET
-    assert os.environ["SHEPHERD_TEST_BMC"] not in repr(listed.bmc)
+    assert os.environ["BMC_PASSWORD_TEST"] not in repr(listed.bmc)
 
 
 def test_a_missing_password_file_refuses_the_inventory_naming_line_and_machine(tmp_path: Path) -> None:
     inventory = bmc_inventory(tmp_path, 'password_file = "nowhere"')
     with pytest.raises(InventoryError) as refused:
-        load_inventory(inventory)
+        load_inventory(inventory, secrets=rules(tmp_path))
     assert refused.value.retryable is False
     assert one_line(refused.value) == (
         f"provider static: inventory {inventory} line 2 machine 'rack1-node01': "
@@ -576,7 +624,7 @@ async def test_a_password_file_made_readable_by_others_stops_the_next_pass_of_an
     tmp_path: Path,
 ) -> None:
     path = good_inventory(tmp_path)
-    provider = StaticProvider("rack", path, power=FakePowerControl.factory([]))
+    provider = StaticProvider("rack", secrets=rules(tmp_path), inventory=path, power=FakePowerControl.factory([]))
     assert len(await provider.list_machines()) == 4
     (tmp_path / "bmc" / "rack1-node01").chmod(0o644)
     with pytest.raises(InventoryError, match=r"line \d+ machine 'rack1-node01': BMC password file .* is readable by"):

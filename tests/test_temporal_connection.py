@@ -9,6 +9,7 @@ import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
 from foundation.settings import Settings
+from foundation.startup import StartupError, connect_temporal
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
 from tests.temporal_proxy import make_certificates
 from tests.test_cli import shepherd
@@ -167,3 +168,51 @@ def test_config_shows_the_connection_and_where_each_part_came_from(tmp_path):
     assert "sekrit" not in result.stdout
     shown = json.loads(shepherd("config", "--json", env=environ).stdout)
     assert {"part": "namespace", "value": "default", "source": "default"} in shown["temporal_connection"]
+
+
+API_KEY = "sk-live-0123456789abcdef"
+# api_key lines an operator could get wrong; the SDK's own error quotes each of them whole.
+BROKEN_KEY_LINES = {
+    "unquoted": f"api_key = {API_KEY}",
+    "unterminated": f'api_key = "{API_KEY}',
+    "not a string": f'api_key = ["{API_KEY}"]',
+    "trailing text": f'api_key = "{API_KEY}" {API_KEY}',
+}
+
+
+@pytest.mark.parametrize("line", list(BROKEN_KEY_LINES.values()), ids=list(BROKEN_KEY_LINES))
+def test_a_malformed_api_key_line_is_named_without_the_key(tmp_path, line):
+    environ = write_profiles(tmp_path, f'[profile.default]\naddress = "127.0.0.1:1"\n{line}\n')
+    with pytest.raises(TemporalConfigError) as caught:
+        load_temporal_connection(Settings(), environ)
+    message = str(caught.value)
+    assert "\n" not in message and "0123456789" not in message, message
+    assert message.startswith(f"cannot use the Temporal client configuration (profile default of {tmp_path}/")
+    assert "TOML parse error at line 3, column " in message and " (key api_key): " in message
+
+
+def test_a_value_of_the_wrong_type_is_not_quoted(tmp_path):
+    environ = write_profiles(tmp_path, f'[profile.default]\n[profile.default.tls]\ndisabled = "{API_KEY}"\n')
+    with pytest.raises(TemporalConfigError) as caught:
+        load_temporal_connection(Settings(), environ)
+    assert str(caught.value).endswith(
+        "line 3, column 12 (key disabled): invalid type: string (value not shown), expected a boolean"
+    )
+
+
+async def test_a_broken_api_key_line_is_echoed_neither_at_start_nor_by_config_or_doctor(tmp_path, shepherd_cli):
+    environ = write_profiles(tmp_path, f"[profile.default]\napi_key = {API_KEY}\n")
+    with pytest.raises(StartupError) as refused:
+        await connect_temporal(Settings(), environ=environ)
+    assert "0123456789" not in str(refused.value) and "(key api_key)" in str(refused.value)
+
+    env = {**environ, "SHEPHERD_STATE_DIR": str(tmp_path / "state")}
+    code, out, err = await shepherd_cli(env, "config")
+    assert (code, out) == (1, "") and "0123456789" not in err
+    assert err.startswith(
+        f"shepherd config: cannot use the Temporal client configuration (profile default of {tmp_path}"
+    )
+    code, out, err = await shepherd_cli(env, "doctor", "--json")
+    checks = {check["name"]: check for check in json.loads(out)["checks"]}
+    assert code == 1 and "0123456789" not in out + err
+    assert "TOML parse error at line 2, column 11 (key api_key): " in checks["temporal"]["detail"]

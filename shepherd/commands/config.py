@@ -8,6 +8,7 @@ import json
 from foundation.settings import Settings
 from foundation.settings_report import effective_settings
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
+from providers.registry import declared_secret_options, provider_types
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, resolve_settings
 
 
@@ -26,7 +27,9 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         connection = load_temporal_connection(settings).described()
     except TemporalConfigError as error:
         raise CommandError(str(error)) from None
-    text = effective_settings(settings, sources, as_json=args.json)
+    types = provider_types()
+    secret = {instance.name: declared_secret_options(instance, types) for instance in settings.provider_instances}
+    text = effective_settings(settings, sources, as_json=args.json, secret_options=secret)
     if args.json:
         shown = json.loads(text)
         shown["temporal_connection"] = [{"part": p, "value": v, "source": s} for p, v, s in connection]

@@ -38,6 +38,7 @@ from lifecycle.contracts import (
 from operations.machine_reads import machine_stages
 from processes.worker import ensure_fleet_schedules
 from providers import ProviderError
+from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import load_inventory
 from providers.registry import open_provider
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
@@ -111,7 +112,9 @@ class DevStack:
             settings = dev_settings(self.base, self.state, self.options)
             # Refused now, in one line naming file, line and machine (or option), rather than in the first pass.
             self.wanted = (
-                len(load_inventory(self.options.inventory)) if self.options.inventory else self.options.machines
+                len(load_inventory(self.options.inventory, secrets=BmcSecretRules.from_settings(settings)))
+                if self.options.inventory
+                else self.options.machines
             )
             if self.options.providers is not None:
                 for instance in settings.provider_instances:

@@ -22,6 +22,7 @@ from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.takeover import probe_ssh
 from lifecycle.takeover_failures import TakeoverError, TakeoverTarget
 from providers import ProviderError
+from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import InventoryMachine, load_inventory
 from providers.power import PowerTimeouts
 from providers.static import power_control
@@ -80,10 +81,11 @@ def format_checks(checks: list[MachineCheck]) -> list[str]:
 
 
 async def check_inventory(path: Path, settings: Settings, *, as_json: bool = False, out: TextIO | None = None) -> int:
-    """Probe every machine of the inventory; 0 when all passed, 1 naming the ones that did not."""
+    """Probe every machine of the inventory; 0 when all passed, 1 naming the ones that did not. The inventory is
+    held to the worker's rules for BMC passwords and URLs first: no secret goes to a BMC a worker would refuse."""
     provider = "static"
     try:
-        machines = load_inventory(path, provider)
+        machines = load_inventory(path, provider, secrets=BmcSecretRules.from_settings(settings))
         key = load_or_create_ssh_key(settings.effective_ssh_key_path)
     except (ProviderError, SSHIdentityError) as error:
         raise CommandError(str(error)) from None

@@ -72,16 +72,21 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
     """Settings of the embedded stack: everything local, back-offs and watch times short enough to watch.
 
     With an inventory the machines are real: the one provider instance reads it, every listed machine is taken
-    (no limit), and the heartbeat server listens on every interface at the port of --agent-endpoint. With a
-    providers file, its [[providers]] are the stack's, and --machines is how many machines a pass takes at most.
+    (no limit), the heartbeat server listens on every interface at the port of --agent-endpoint, and the BMC
+    password files are the inventory's folder's unless bmc_secrets_dir says otherwise. With a providers file, its
+    [[providers]] are the stack's, and --machines is how many machines a pass takes at most.
     """
     endpoint = options.agent_endpoint or AGENT_ENDPOINT
     host, port = parse_endpoint(endpoint)
     certificates = local_certificates(state / "tls" if endpoint == AGENT_ENDPOINT else state / "tls" / host, host)
     machines, listen = options.machines, AGENT_ENDPOINT
     providers: tuple[ProviderInstance, ...] = ()
+    secrets_dir = base.bmc_secrets_dir
     if options.inventory is not None:
         machines, listen = 0, f"0.0.0.0:{port}"
+        # On one host, the operator's own inventory next to its password files: their folder is where /etc/shepherd/bmc
+        # would be in a deployment. Shepherd's own keys stay refused there too.
+        secrets_dir = secrets_dir or options.inventory.parent
         providers = (ProviderInstance(INVENTORY_INSTANCE, "static", {"inventory": str(options.inventory)}),)
     elif options.providers is not None:
         listen = f"0.0.0.0:{port}"
@@ -118,6 +123,7 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
         agent_start_backoff_multiplier=1.5,
         providers=providers,
         provider="sim",
+        bmc_secrets_dir=secrets_dir,
     ).check()
 
 
