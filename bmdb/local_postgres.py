@@ -60,3 +60,13 @@ def bmdb_url(settings: Settings) -> Iterator[str]:
         return
     with LocalPostgres(settings.state_dir / "postgres") as url:
         yield url
+
+
+@contextmanager
+def heartbeat_bmdb_url(settings: Settings) -> Iterator[str]:
+    """The BMDB URL of the heartbeat server: its own credential, heartbeat_database_url, or else bmdb_url's."""
+    if settings.heartbeat_database_url:
+        yield settings.heartbeat_database_url
+        return
+    with bmdb_url(settings) as url:
+        yield url

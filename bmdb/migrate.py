@@ -97,14 +97,15 @@ def schema_problem(url: str, revision: str | None) -> str | None:
     )
 
 
-async def open_bmdb(url: str) -> BMDB:
-    """BMDB for a process: reachable, and at the schema revision this Shepherd needs."""
+async def open_bmdb(url: str, *, setting: str = "database_url") -> BMDB:
+    """BMDB for a process: reachable, and at the schema revision this Shepherd needs; a failure names the setting
+    the URL came from."""
     bmdb = BMDB(url)
     try:
         await bmdb.ping()
     except BMDBUnavailable as error:
         await bmdb.close()
-        raise StartupError(f"{error} (setting database_url)") from error
+        raise StartupError(f"{error} (setting {setting})") from error
     problem = schema_problem(url, await schema_revision(bmdb))
     if problem is not None:
         await bmdb.close()

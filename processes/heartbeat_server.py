@@ -210,7 +210,9 @@ async def run_heartbeat_server(
         )
         expiry.watch(HEARTBEAT_SERVER_CERTIFICATE, tls.current)
     expiry.watch_bmdb_client(database_url)
-    bmdb = await open_bmdb(database_url)
+    bmdb = await open_bmdb(
+        database_url, setting="heartbeat_database_url" if settings.heartbeat_database_url else "database_url"
+    )
     service = HeartbeatService(
         bmdb,
         interval=settings.heartbeat_interval,

@@ -180,6 +180,10 @@ def tls_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSPostgr
         with psycopg.connect(server.verify_full("postgres", "postgres"), autocommit=True) as conn:
             conn.execute(f"CREATE ROLE shepherd LOGIN PASSWORD '{PASSWORD}'")
             conn.execute("CREATE ROLE shepherd_mtls LOGIN")
+            # BMDB's roles, made once for the cluster by a superuser (docs/operations.md#bmdb-roles): the owners
+            # migrating here may not create roles.
+            for role in ("shepherd_heartbeat", "shepherd_worker", "shepherd_reader"):
+                conn.execute(f"CREATE ROLE {role} NOLOGIN")
             conn.execute("CREATE DATABASE bmdb OWNER shepherd")
             conn.execute("CREATE DATABASE bmdb_mtls OWNER shepherd_mtls")
         yield server

@@ -179,6 +179,8 @@ class Dockerfile:
     entrypoint: list[str]
     # Paths the image itself provides, so settings may point there without a mount.
     paths: list[str]
+    # USER of the final stage, as written: "uid" or "uid:gid".
+    user: str = ""
 
 
 def dockerfile() -> Dockerfile:
@@ -187,14 +189,17 @@ def dockerfile() -> Dockerfile:
     env: dict[str, str] = {}
     entrypoint: list[str] = []
     paths: list[str] = []
+    user = ""
     for line in final_stage.splitlines():
         instruction, _, rest = line.strip().partition(" ")
         if instruction == "ENV":
             env.update(assignment(word) for word in shlex.split(rest))
         elif instruction == "ENTRYPOINT":
             entrypoint = json.loads(rest)
+        elif instruction == "USER":
+            user = rest.strip()
     paths += re.findall(r"-m agent\.build (\S+)", text)
-    return Dockerfile(env, entrypoint, paths)
+    return Dockerfile(env, entrypoint, paths, user)
 
 
 @dataclass
@@ -437,6 +442,7 @@ def test_the_deploy_files_are_found():
         ("deploy/kubernetes/heartbeat-server.yaml", "heartbeat-server"),
         ("deploy/systemd/shepherd-worker.service", "worker"),
         ("deploy/systemd/shepherd-heartbeat-server.service", "heartbeat-server"),
+        ("deploy/systemd/shepherd-migrate.service", "migrate"),
     } <= commands
     assert dockerfile().entrypoint == [IMAGE], "deploy/Dockerfile: the entrypoint must be the shepherd command"
 
@@ -644,12 +650,14 @@ FILE_VARIABLES = (
     "SHEPHERD_HEARTBEAT_TLS_KEY_PATH",
     "SHEPHERD_AGENT_ENDPOINT_CA_CERTIFICATE_PATH",
 )
-# libpq's parameters in SHEPHERD_DATABASE_URL that name files.
+# libpq's parameters in a BMDB URL that name files.
 DATABASE_URL_FILES = ("sslrootcert", "sslcert", "sslkey")
+# The BMDB URLs: the workers' and the migration's, and the heartbeat server's own.
+DATABASE_URL_VARIABLES = ("SHEPHERD_DATABASE_URL", "SHEPHERD_HEARTBEAT_DATABASE_URL")
 # Which of those each command reads: the worker's include what operator commands, run beside it, read.
 FILES_READ = {
     "worker": ("TEMPORAL_", "SHEPHERD_AGENT_ENDPOINT_CA_", "SHEPHERD_DATABASE_URL"),
-    "heartbeat-server": ("SHEPHERD_HEARTBEAT_TLS_", "SHEPHERD_DATABASE_URL"),
+    "heartbeat-server": ("SHEPHERD_HEARTBEAT_TLS_", "SHEPHERD_DATABASE_URL", "SHEPHERD_HEARTBEAT_DATABASE_URL"),
     "migrate": ("SHEPHERD_DATABASE_URL",),
 }
 # What lets a process authenticate to Temporal: only the worker talks to Temporal.
@@ -672,10 +680,11 @@ CREDENTIAL_SPECIFIER_RE = re.compile(r"(?:%d|\$\{?CREDENTIALS_DIRECTORY\}?)/([^\
 def files_named(env: dict[str, str]) -> list[tuple[str, str]]:
     """(setting, path) of every certificate, key or configuration file the environment names."""
     files = [(name, env[name]) for name in FILE_VARIABLES if env.get(name)]
-    if url := env.get("SHEPHERD_DATABASE_URL"):
-        query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
-        for parameter in DATABASE_URL_FILES:
-            files += [(f"SHEPHERD_DATABASE_URL {parameter}", value) for value in query.get(parameter, [])]
+    for variable in DATABASE_URL_VARIABLES:
+        if url := env.get(variable):
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+            for parameter in DATABASE_URL_FILES:
+                files += [(f"{variable} {parameter}", value) for value in query.get(parameter, [])]
     return files
 
 
@@ -964,3 +973,356 @@ def test_systemd_loads_the_units_without_a_warning(tmp_path):
         units.append(str(copy))
     result = subprocess.run([analyze, "verify", "--man=no", *units], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
+
+
+# Least privilege
+
+# Each process's BMDB credential: the migration's is BMDB's owner, the workers' a user granted shepherd_worker, the
+# heartbeat server's its own URL, of a user granted shepherd_heartbeat.
+BMDB_CREDENTIAL = {"migrate": "SHEPHERD_DATABASE_URL", "worker": "SHEPHERD_DATABASE_URL"}
+HEARTBEAT_CREDENTIAL = "SHEPHERD_HEARTBEAT_DATABASE_URL"
+# What the heartbeat server may be handed from a Secret: its own BMDB URL; and the Secret keys it may share with
+# the workers: a CA certificate, which is public.
+HEARTBEAT_SECRET_KEYS = {HEARTBEAT_CREDENTIAL}
+SHAREABLE_SECRET_KEYS = {"ca.crt"}
+# Container securityContext fields every Shepherd container sets, as their value must be.
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True}
+# Where a heartbeat server and a migration may connect to: DNS and PostgreSQL.
+BMDB_ONLY_PORTS = {53, 5432}
+TEMPORAL_UI_IMAGE = "temporalio/ui"
+# The sandbox every unit carries (systemd.exec(5)), each directive with the value it must have.
+SYSTEMD_SANDBOX = {
+    "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "PrivateDevices": "yes",
+    "MemoryDenyWriteExecute": "yes",
+    "CapabilityBoundingSet": "",
+    "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+    "SystemCallArchitectures": "native",
+}
+SYSTEM_SERVICE_FILTER = "@system-service"
+# The private temporary directory every Shepherd process needs (systemd's PrivateTmp= gives the units theirs).
+TMP = "/tmp"
+# `systemd-analyze security`'s overall exposure, in its tenths (0 to 100): every unit at or below 2.0 ("OK").
+SYSTEMD_EXPOSURE_THRESHOLD = 20
+
+
+def deployment(process: Process) -> str:
+    """Which way of running it all a process belongs to: the compose file, the kustomization, the units."""
+    return process.where.split()[0] if "docker-compose" in process.where else str(PurePosixPath(process.where).parent)
+
+
+def bmdb_user(url: str) -> str:
+    return urllib.parse.urlsplit(url).username or ""
+
+
+def test_each_process_holds_its_own_bmdb_credential():
+    """The workers' user cannot change a table, the heartbeat server's can only record heartbeats; only the
+    migration holds the owner's."""
+    problems = []
+    users: dict[str, dict[str, str]] = {}
+    for process in all_processes():
+        if process.command == "heartbeat-server":
+            if process.env.get("SHEPHERD_DATABASE_URL"):
+                problems.append(f"{process.where}: the heartbeat server is given SHEPHERD_DATABASE_URL")
+            url = process.env.get(HEARTBEAT_CREDENTIAL, "")
+        elif process.command in BMDB_CREDENTIAL:
+            if process.env.get(HEARTBEAT_CREDENTIAL):
+                problems.append(f"{process.where}: `shepherd {process.command}` is given {HEARTBEAT_CREDENTIAL}")
+            url = process.env.get(BMDB_CREDENTIAL[process.command], "")
+        else:
+            continue
+        if not bmdb_user(url):
+            problems.append(f"{process.where}: `shepherd {process.command}` has no BMDB user of its own")
+        users.setdefault(deployment(process), {})[process.command] = bmdb_user(url)
+    for where, by_command in users.items():
+        if sorted(by_command) != ["heartbeat-server", "migrate", "worker"]:
+            problems.append(f"{where}: runs {sorted(by_command)}, not a migration, workers and a heartbeat server")
+        elif len(set(by_command.values())) != len(by_command):
+            problems.append(f"{where}: processes share a BMDB user: {by_command}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_heartbeat_server_holds_nothing_of_the_workers():
+    """The machines reach the heartbeat server: it holds neither the SSH key, nor Temporal credentials, nor the
+    workers' BMDB credential, however it is run."""
+    definitions = secret_definitions()
+
+    def keys_of(secret: str, key: str | None) -> set[str]:
+        if key is not None:
+            return {key}
+        return set().union(*(definition.keys for definition in definitions.get(secret, [])))
+
+    problems = []
+    pods = {where: spec for where, _, spec in pod_specs()}
+    workers = [spec for where, spec in pods.items() if "worker" in where]
+    heartbeats = [(where, spec) for where, spec in pods.items() if "heartbeat" in where]
+    assert workers and heartbeats, "no worker or heartbeat server pods in deploy/kubernetes"
+    workers_secrets = {
+        (secret, held) for spec in workers for secret, key in secrets_used(spec) for held in keys_of(secret, key)
+    }
+    for where, spec in heartbeats:
+        for container in spec["containers"]:
+            for source in container.get("envFrom", []):
+                if "secretRef" in source:
+                    name = source["secretRef"]["name"]
+                    if not keys_of(name, None) <= HEARTBEAT_SECRET_KEYS:
+                        problems.append(f"{where}: its environment Secret {name} holds {sorted(keys_of(name, None))}")
+        for secret, key in secrets_used(spec):
+            shared = {held for held in keys_of(secret, key) if (secret, held) in workers_secrets}
+            if shared - SHAREABLE_SECRET_KEYS:
+                problems.append(f"{where}: holds what the workers hold: {sorted(shared)} of Secret {secret}")
+    # Compose: the workers' state volume holds the SSH key.
+    for process in compose_processes():
+        if process.command == "heartbeat-server":
+            for worker in compose_processes():
+                if worker.command == "worker":
+                    shared = set(worker.mounts) & set(process.mounts) - set(dockerfile().paths)
+                    if Settings.from_env(worker.env).state_dir.as_posix() in shared:
+                        problems.append(f"{process.where}: mounts the workers' state, their SSH key")
+    # systemd: the units' environment files and users; the user shepherd reads worker.env and the SSH key.
+    units = {unit.path.name: unit for unit in systemd_units()}
+    worker_unit = units["shepherd-worker.service"]
+    for name, unit in units.items():
+        if unit is worker_unit:
+            continue
+        if set(unit.directives.get("EnvironmentFile", [])) & set(worker_unit.directives.get("EnvironmentFile", [])):
+            problems.append(f"deploy/systemd/{name}: reads the workers' environment file")
+        if unit.directives.get("DynamicUser") != ["yes"] and unit.directives.get("User") == worker_unit.directives.get(
+            "User"
+        ):
+            problems.append(f"deploy/systemd/{name}: runs as the workers' user, who reads their SSH key")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_container_runs_unprivileged_with_a_read_only_root():
+    problems = []
+    # The image's own user is numeric, so runAsNonRoot can check it, and the one the pods name.
+    uid, _, gid = dockerfile().user.partition(":")
+    if not uid.isdigit() or int(uid) == 0 or not gid.isdigit():
+        problems.append(
+            f"deploy/Dockerfile: USER {dockerfile().user!r} is not a numeric user and group, other than root"
+        )
+    for where, _, spec in pod_specs():
+        pod = spec.get("securityContext", {})
+        if spec.get("automountServiceAccountToken") is not False:
+            problems.append(f"{where}: mounts a service account token, which Shepherd never uses")
+        if spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC"):
+            problems.append(f"{where}: shares a namespace of the node")
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            security = container.get("securityContext", {})
+            name = f"{where} container {container['name']}"
+            for key, value in CONTAINER_SECURITY.items():
+                if security.get(key) is not value:
+                    problems.append(f"{name}: securityContext.{key} is not {value}")
+            if security.get("privileged"):
+                problems.append(f"{name}: is privileged")
+            capabilities = security.get("capabilities", {})
+            if "ALL" not in capabilities.get("drop", []) or capabilities.get("add"):
+                problems.append(f"{name}: does not drop every capability ({capabilities})")
+            if not security.get("runAsNonRoot", pod.get("runAsNonRoot")):
+                problems.append(f"{name}: may run as root")
+            user = (security.get("runAsUser", pod.get("runAsUser")), security.get("runAsGroup", pod.get("runAsGroup")))
+            if user != (int(uid or 0), int(gid or 0)):
+                problems.append(f"{name}: runs as {user}, not the image's user {dockerfile().user}")
+            seccomp = security.get("seccompProfile", pod.get("seccompProfile", {}))
+            if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+                problems.append(f"{name}: has no seccomp profile")
+    path = DEPLOY / "docker-compose.yml"
+    (compose,) = yaml_documents(path)
+    for name, service in compose["services"].items():
+        if not is_shepherd_image(service.get("image")):
+            continue
+        where = f"{rel(path)} service {name}"
+        if service.get("read_only") is not True:
+            problems.append(f"{where}: its root file system is not read_only")
+        if "ALL" not in service.get("cap_drop", []) or service.get("cap_add") or service.get("privileged"):
+            problems.append(f"{where}: does not drop every capability")
+        if "no-new-privileges:true" not in service.get("security_opt", []):
+            problems.append(f"{where}: may gain privileges (security_opt no-new-privileges:true)")
+    assert not problems, "\n".join(problems)
+
+
+def test_what_a_process_writes_is_a_writable_volume():
+    """With the root file system read-only, every Shepherd process needs a private /tmp (asyncssh's import looks
+    for a native library through ctypes, which writes a temporary file where a C compiler is installed), and the
+    worker's state (its SSH key) must lie in a volume it may write: an emptyDir, a Compose volume mounted
+    read-write, a unit's StateDirectory= or ReadWritePaths=."""
+    problems = []
+    for where, _, spec in pod_specs():
+        writable = {volume["name"] for volume in spec.get("volumes", []) if "emptyDir" in volume}
+        writable |= {volume["name"] for volume in spec.get("volumes", []) if "persistentVolumeClaim" in volume}
+        for container in spec["containers"]:
+            if is_shepherd_image(container.get("image")) and not any(
+                mount["mountPath"] == TMP and mount["name"] in writable and not mount.get("readOnly")
+                for mount in container.get("volumeMounts", [])
+            ):
+                problems.append(f"{where} container {container['name']}: no writable {TMP}")
+            if container.get("args", [None])[0] != "worker":
+                continue
+            state = Settings.from_env(
+                {item["name"]: str(item["value"]) for item in container.get("env", []) if "value" in item}
+                | dockerfile().env
+            ).state_dir
+            mounts = [
+                mount
+                for mount in container.get("volumeMounts", [])
+                if state.is_relative_to(mount["mountPath"]) and mount["name"] in writable and not mount.get("readOnly")
+            ]
+            if not mounts:
+                problems.append(f"{where} container {container['name']}: its state {state} is in no writable volume")
+    (compose,) = yaml_documents(DEPLOY / "docker-compose.yml")
+    for name, service in compose["services"].items():
+        if is_shepherd_image(service.get("image")) and TMP not in service.get("tmpfs", []):
+            problems.append(f"deploy/docker-compose.yml service {name}: no tmpfs at {TMP}")
+    for process in compose_processes():
+        if process.command == "worker":
+            state = Settings.from_env(process.env).state_dir
+            (compose,) = yaml_documents(DEPLOY / "docker-compose.yml")
+            volumes = [
+                volume
+                for service in compose["services"].values()
+                if service.get("command") == "worker"
+                for volume in service.get("volumes", [])
+                if isinstance(volume, str) and volume.split(":")[1] == state.as_posix()
+            ]
+            if not volumes or any(volume.endswith(":ro") for volume in volumes):
+                problems.append(f"{process.where}: its state {state} is in no volume it may write")
+    for unit in systemd_units():
+        for line in unit.directives.get("ExecStart", []):
+            argv = shepherd_argv(shlex.split(line.lstrip("@-:+!")))
+            if argv is None or argv[0] != "worker":
+                continue
+            state = Settings.from_env(unit_env(unit)).state_dir
+            writable_paths = [
+                f"/var/lib/{name}" for name in " ".join(unit.directives.get("StateDirectory", [])).split()
+            ]
+            writable_paths += " ".join(unit.directives.get("ReadWritePaths", [])).split()
+            if not any(state.is_relative_to(path.lstrip("-")) for path in writable_paths):
+                problems.append(f"{rel(unit.path)}: its state {state} is in no StateDirectory= or ReadWritePaths=")
+    assert not problems, "\n".join(problems)
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector selects these labels (matchLabels, and matchExpressions In, NotIn,
+    Exists, DoesNotExist)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        holds = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not holds:
+            return False
+    return True
+
+
+def network_policies() -> list[dict[str, Any]]:
+    return [document for _, document in kubernetes_objects() if document["kind"] == "NetworkPolicy"]
+
+
+def rule_ports(rule: dict[str, Any], ports: dict[str, int]) -> set[int | str]:
+    """The ports a policy rule lets through to a pod whose container ports are ports (name -> number): a name the
+    pod does not declare opens nothing there; "any" when the rule names no port."""
+    if not rule.get("ports"):
+        return {"any"}
+    opened: set[int | str] = set()
+    for port in rule["ports"]:
+        if "port" not in port:
+            opened.add("any")
+        elif isinstance(port["port"], int):
+            opened.add(port["port"])
+        elif port["port"] in ports:
+            opened.add(ports[port["port"]])
+    return opened
+
+
+def test_network_policies_let_in_only_what_each_pod_serves():
+    """Every pod is closed by default; the heartbeat port is open to the machines' networks alone, each other
+    port a pod declares to a named source; the heartbeat servers and the migration reach BMDB and DNS alone."""
+    policies = network_policies()
+    assert policies, "no NetworkPolicy in deploy/kubernetes"
+    problems = []
+    for where, metadata, spec in pod_specs():
+        labels = metadata.get("labels", {})
+        ports = {
+            port.get("name", str(port["containerPort"])): int(port["containerPort"])
+            for container in spec["containers"]
+            for port in container.get("ports", [])
+        }
+        selecting = [policy for policy in policies if selects(policy["spec"]["podSelector"], labels)]
+        if not any("Ingress" in policy["spec"].get("policyTypes", []) for policy in selecting):
+            problems.append(f"{where}: no NetworkPolicy closes it to ingress")
+        let_in: dict[int | str, list[dict[str, Any]]] = {}
+        for policy in selecting:
+            for rule in policy["spec"].get("ingress", []):
+                if not rule.get("from"):
+                    problems.append(f"{where}: NetworkPolicy {policy['metadata']['name']} lets anyone in")
+                for port in rule_ports(rule, ports):
+                    let_in.setdefault(port, []).extend(rule.get("from", []))
+        for port in set(let_in) - set(ports.values()):
+            problems.append(f"{where}: a NetworkPolicy opens port {port}, which it does not serve")
+        if "heartbeat" in ports:
+            sources = let_in.get(ports["heartbeat"], [])
+            if not sources or any(set(source) != {"ipBlock"} for source in sources):
+                problems.append(f"{where}: the heartbeat port is open to {sources}, not to the machines' networks")
+        if labels.get("app.kubernetes.io/component") in ("heartbeat-server", "migrate"):
+            egress = [policy for policy in selecting if "Egress" in policy["spec"].get("policyTypes", [])]
+            reachable = {
+                port for policy in egress for rule in policy["spec"].get("egress", []) for port in rule_ports(rule, {})
+            }
+            if not egress or not reachable <= BMDB_ONLY_PORTS:
+                problems.append(
+                    f"{where}: may connect to ports {sorted(map(str, reachable))}, not BMDB's and DNS alone"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_the_temporal_ui_is_read_only_for_operators():
+    """Operators act through Shepherd's commands, which say who asked; the UI only shows."""
+    found = []
+    for path in yaml_files():
+        for document in yaml_documents(path):
+            for name, service in (document.get("services") or {}).items():
+                if str(service.get("image", "")).split(":")[0] == TEMPORAL_UI_IMAGE:
+                    found.append(name)
+                    environment = service.get("environment", {})
+                    assert str(environment.get("TEMPORAL_DISABLE_WRITE_ACTIONS")).lower() == "true", (
+                        f"{rel(path)} service {name}: the Temporal UI lets operators signal, cancel and terminate"
+                    )
+    assert found, "no Temporal UI in deploy/"
+
+
+def test_systemd_units_are_sandboxed(tmp_path):
+    """Each unit carries the sandbox, and systemd-analyze security rates its exposure at most 2.0 of 10."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.fail("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    problems = []
+    for unit in systemd_units():
+        where = rel(unit.path)
+        for key, value in SYSTEMD_SANDBOX.items():
+            if unit.directives.get(key, [None])[-1] != value:
+                problems.append(f"{where}: {key}={unit.directives.get(key, ['(unset)'])[-1]}, not {value!r}")
+        filters = unit.directives.get("SystemCallFilter", [])
+        if not filters or filters[0] != SYSTEM_SERVICE_FILTER:
+            problems.append(f"{where}: SystemCallFilter= does not start from {SYSTEM_SERVICE_FILTER}")
+        if unit.directives.get("DynamicUser") != ["yes"] and unit.directives.get("User", ["root"])[-1] in ("root", "0"):
+            problems.append(f"{where}: runs as root")
+        result = subprocess.run(
+            [analyze, "security", "--offline=yes", f"--threshold={SYSTEMD_EXPOSURE_THRESHOLD}", str(unit.path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        overall = [line for line in result.stdout.splitlines() if "Overall exposure" in line]
+        if result.returncode != 0:
+            rating = overall[-1].strip("→ ") if overall else result.stderr.strip()
+            problems.append(f"{where}: {rating}, above {SYSTEMD_EXPOSURE_THRESHOLD / 10:g}")
+    assert not problems, "\n".join(problems)

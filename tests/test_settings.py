@@ -56,6 +56,7 @@ def test_durations(text, seconds):
         ({"SHEPHERD_AGENT_START_BACKOFF_MULTIPLIER": "0.5"}, "agent_start_backoff_multiplier"),
         ({"SHEPHERD_PROVIDER": "Rack 1"}, "provider"),
         ({"SHEPHERD_DATABASE_URL": "mysql://x"}, "database_url"),
+        ({"SHEPHERD_HEARTBEAT_DATABASE_URL": "mysql://x"}, "heartbeat_database_url"),
         ({"SHEPHERD_AGENT_TARGET_PATH": "agent"}, "agent_target_path"),
         ({"SHEPHERD_NO_SUCH_THING": "1"}, "no_such_thing"),
         ({"SHEPHERD_RECOVERY_HOLD_FRACTION": "nan"}, "recovery_hold_fraction"),

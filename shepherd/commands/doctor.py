@@ -1,10 +1,10 @@
 """``shepherd doctor``: what an operator runs first when something is wrong, one line a check.
 
 Temporal (the connection in effect, the namespace, the search attributes, the workers polling each task queue,
-each fleet schedule, the server's clock), BMDB (reachable, schema, clock), the heartbeat endpoint as the agents
-see it (TLS with their CA, the certificate's expiry), the SSH key, the agent executable and every provider
-instance. Each check has a time limit, so doctor never hangs; a check that needs another is skipped, naming it,
-when that one failed. Exit 1 when any check failed; warnings do not fail.
+each fleet schedule, the server's clock), BMDB (reachable, schema, clock; the heartbeat server's own credential),
+the heartbeat endpoint as the agents see it (TLS with their CA, the certificate's expiry), the SSH key, the agent
+executable and every provider instance. Each check has a time limit, so doctor never hangs; a check that needs
+another is skipped, naming it, when that one failed. Exit 1 when any check failed; warnings do not fail.
 
 The checks of each part are in shepherd.commands.doctor_checks; this module runs them and prints the report.
 """
@@ -56,6 +56,7 @@ class Doctor(TemporalChecks, DatabaseChecks, EndpointChecks, HostFileChecks, Pro
             "bmdb",
             "bmdb schema",
             "bmdb clock",
+            *(["bmdb heartbeat credential"] if self.settings.heartbeat_database_url else []),
             "heartbeat endpoint",
             "heartbeat endpoint certificate",
             "ssh key",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from bmdb.local_postgres import bmdb_url
+from bmdb.local_postgres import heartbeat_bmdb_url
 from foundation.settings import Settings
 from processes.heartbeat_server import HeartbeatProcessStopped, run_heartbeat_server, serve_in_processes
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common, positive_int
@@ -28,7 +28,7 @@ def register(commands: Subcommands) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Serve the agents' heartbeats, in one process or several sharing the port, until stopped."""
     settings.check_heartbeat_server()
-    with bmdb_url(settings) as url:
+    with heartbeat_bmdb_url(settings) as url:
         try:
             if settings.heartbeat_processes > 1:
                 serve_in_processes(settings, url, settings.heartbeat_processes, verbose=args.verbose)

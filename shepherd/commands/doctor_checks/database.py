@@ -1,16 +1,23 @@
-"""The BMDB checks: reachable, its schema at the newest migration, and its clock."""
+"""The BMDB checks: reachable, its schema at the newest migration, and its clock; and the heartbeat server's own
+credential, when it has one: reachable, and allowed what the heartbeat server does and no more."""
 
 from __future__ import annotations
 
 import asyncio
 
+from sqlalchemy.exc import ProgrammingError
+
 from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import head_revision, schema_problem, schema_revision
+from bmdb.privileges import HEARTBEAT_ROLE, heartbeat_reach
 from bmdb.store import BMDB, BMDBUnavailable
 from foundation.settings_report import redact_url
 from shepherd.commands.doctor_checks.checkup import Checkup
 from shepherd.commands.doctor_checks.clocks import ClockReading, clock_verdict
-from shepherd.commands.doctor_checks.verdicts import Verdict, fail, ok
+from shepherd.commands.doctor_checks.verdicts import Verdict, fail, ok, warn
+
+# Privileges a line names at most; --json has them all.
+SHOWN_PRIVILEGES = 4
 
 
 class DatabaseChecks(Checkup):
@@ -21,6 +28,8 @@ class DatabaseChecks(Checkup):
         await self.check("bmdb", self.open_bmdb)
         await self.check("bmdb schema", self.bmdb_schema, needs=["bmdb"])
         await self.check("bmdb clock", self.bmdb_clock, needs=["bmdb"])
+        if self.settings.heartbeat_database_url:
+            await self.check("bmdb heartbeat credential", self.heartbeat_credential)
 
     async def open_bmdb(self) -> Verdict:
         """Whether BMDB answers, at database_url or in the local PostgreSQL; kept open for the next checks."""
@@ -62,3 +71,43 @@ class DatabaseChecks(Checkup):
         before, remote, after = await self.bmdb.read_clock()
         how = "SELECT clock_timestamp() between two readings of this host's clock"
         return clock_verdict("BMDB's", ClockReading(before, remote, after), how)
+
+    async def heartbeat_credential(self) -> Verdict:
+        """Whether the heartbeat server's own credential reaches BMDB at the newest migration, allowed what the
+        heartbeat server does; a warning when it is allowed more, which a server broken into could do too."""
+        url = self.settings.heartbeat_database_url
+        assert url is not None
+        shown = redact_url(url)
+        bmdb = BMDB(url, pool_size=1)
+        self.stack.push_async_callback(bmdb.close)
+        try:
+            await bmdb.ping()
+        except BMDBUnavailable as error:
+            fail(f"{error} (setting heartbeat_database_url)", url=shown)
+        grant = f"grant its user {HEARTBEAT_ROLE} (docs/operations.md#bmdb-roles)"
+        try:
+            revision = await schema_revision(bmdb)
+        except ProgrammingError:
+            fail(f"{shown} may not read the schema revision: {grant}", url=shown)
+        problem = schema_problem(url, revision)
+        if problem is not None:
+            fail(problem, url=shown)
+        reach = await heartbeat_reach(bmdb)
+        facts = {"url": shown, "missing": reach.missing, "beyond": reach.beyond}
+        if reach.missing:
+            fail(f"{shown} may not do what the heartbeat server does, no {_some(reach.missing)}: {grant}", **facts)
+        if reach.beyond:
+            return warn(
+                f"{shown} may do more than the heartbeat server needs ({_some(reach.beyond)}), and so could a "
+                f"heartbeat server broken into: give it a user granted {HEARTBEAT_ROLE} alone "
+                "(docs/operations.md#bmdb-roles)",
+                **facts,
+            )
+        return ok(f"reachable at {shown}, allowed what the heartbeat server does and nothing more", **facts)
+
+
+def _some(privileges: list[str]) -> str:
+    """The first privileges, and how many more there are."""
+    shown = ", ".join(privileges[:SHOWN_PRIVILEGES])
+    more = len(privileges) - SHOWN_PRIVILEGES
+    return f"{shown} and {more} more" if more > 0 else shown
