@@ -59,7 +59,15 @@ from lifecycle.machine_state import (
     RecoveryRecord,
     Stuck,
 )
-from lifecycle.messages import HeartbeatLost, MaintenanceRequest, OperatorRequest, RecoveryKind, RecoveryRequest
+from lifecycle.messages import (
+    HeartbeatLost,
+    MaintenanceRequest,
+    OperatorRequest,
+    RecoveryKind,
+    RecoveryRequest,
+    credited,
+)
+from lifecycle.operator_verification import check_proof
 
 MACHINE_WORKFLOW_TYPE = "MachineWorkflow"
 FLEET_WORKFLOW_TYPE = "FleetWorkflow"
@@ -200,6 +208,8 @@ __all__ = [
     "StuckInput",
     "WatchdogInput",
     "WatchdogResult",
+    "check_proof",
+    "credited",
     "fleet_schedule_id",
     "initial_search_attributes",
     "machine_search_attributes",

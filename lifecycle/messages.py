@@ -13,6 +13,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from foundation.operator_proof import Signature
+
 
 @dataclass(frozen=True)
 class HeartbeatLost:
@@ -40,8 +42,30 @@ def _text(value: object, limit: int) -> str:
 
 
 def _operator(value: object) -> str:
-    """Who asked, as a message says; "unknown" when it does not."""
-    return _text(value, 100) or "unknown"
+    """Who asked, as a message says, on one line and without the parentheses the verified mark is written in;
+    "unknown" when it does not say."""
+    named = " ".join(_text(value, 100).replace("(", " ").replace(")", " ").split())
+    return named or "unknown"
+
+
+def _proof(value: object) -> Signature | None:
+    """The operator API's proof a request carries, as sent; None when there is none or it is no proof at all (the
+    request is then an unverified one)."""
+    if not isinstance(value, dict):
+        return None
+    fields = [value.get(name) for name in ("key_id", "via", "issued_at", "signature")]
+    if not all(isinstance(f, str) and 0 < len(f) <= 200 for f in fields):
+        return None
+    key, via, issued_at, signature = (str(f) for f in fields)
+    if not via.replace("-", "").isalpha():
+        return None
+    return Signature(key, via, issued_at, signature)
+
+
+def credited(by: str, verified_via: str | None) -> str:
+    """Who asked, as the status and the event log record it: marked verified, and how (oidc, certificate), when the
+    operator API vouches for it (an update's validator checked its proof); else marked unverified."""
+    return f"{by} (verified: {verified_via})" if verified_via is not None else f"{by} (unverified)"
 
 
 class RecoveryKind(enum.StrEnum):
@@ -111,10 +135,20 @@ def _unreadable(value: object) -> str:
 
 @dataclass(frozen=True)
 class OperatorRequest:
-    """The argument of release, decommission, restart_agent and retry_now: ``{"reason": ..., "by": ...}``."""
+    """The argument of release, decommission, restart_agent and retry_now: ``{"reason": ..., "by": ...}``, and the
+    operator API's ``"proof"`` when it comes through the API."""
 
     reason: str = ""
     by: str = "unknown"
+    proof: Signature | None = None
+
+    def signed(self) -> dict[str, object]:
+        """What of the request the API's proof signs besides who asked."""
+        return {"reason": self.reason}
+
+    def credited(self) -> str:
+        """Who asked, marked verified when the API's proof came with it (the update's validator checked it)."""
+        return credited(self.by, self.proof.via if self.proof is not None else None)
 
     def require_reason(self, why: str) -> None:
         """ValueError, asking why, when the request gives no reason."""
@@ -125,7 +159,7 @@ class OperatorRequest:
     def from_wire(cls, value: object) -> "OperatorRequest":
         """From the JSON an operator sent: this dataclass, or the reason alone."""
         if isinstance(value, dict):
-            return cls(_text(value.get("reason"), 500), _operator(value.get("by")))
+            return cls(_text(value.get("reason"), 500), _operator(value.get("by")), _proof(value.get("proof")))
         return cls(_text(value, 500))
 
 
@@ -139,6 +173,15 @@ class MaintenanceRequest:
     reason: str = ""
     by: str = "unknown"
     recover: bool | None = False
+    proof: Signature | None = None
+
+    def signed(self) -> dict[str, object]:
+        """What of the request the API's proof signs besides who asked."""
+        return {"on": self.on, "reason": self.reason, "recover": self.recover}
+
+    def credited(self) -> str:
+        """Who asked, marked verified when the API's proof came with it (the update's validator checked it)."""
+        return credited(self.by, self.proof.via if self.proof is not None else None)
 
     def check(self) -> "MaintenanceRequest":
         """The request as it is carried out (an end's reason filled in); ValueError naming what is wrong."""
@@ -163,4 +206,5 @@ class MaintenanceRequest:
             reason=_text(value.get("reason"), 500),
             by=_operator(value.get("by")),
             recover=recover if isinstance(recover, bool) else None,
+            proof=_proof(value.get("proof")),
         )

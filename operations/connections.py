@@ -12,6 +12,8 @@ from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.startup import connect_temporal
+from lifecycle.contracts import credited
+from operations.attestation import Attestation
 
 
 class OperatorError(Exception):
@@ -22,12 +24,28 @@ class Connections:
     """Temporal and BMDB for one operator's requests. BMDB is opened only when a request needs it, so that a
     local PostgreSQL starts only then and a request Temporal alone answers works while BMDB is down."""
 
-    def __init__(self, settings: Settings, *, temporal: Client | None = None, database_url: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        temporal: Client | None = None,
+        database_url: str | None = None,
+        attestation: Attestation | None = None,
+    ) -> None:
         self.settings = settings
+        # The operator the API verified, whose updates carry the API's proof; None for a command run by hand.
+        self.attestation = attestation
         self._temporal = temporal
         self._database_url = database_url
         self._bmdb: BMDB | None = None
         self._closing = ExitStack()
+
+    def credited(self, by: str) -> str:
+        """Who asked, as the event log records what this client does itself (a host-key reset, a release of held
+        recoveries, a fleet schedule paused): the operator the API verified, else whoever the caller says."""
+        if self.attestation is not None:
+            return credited(self.attestation.subject, self.attestation.via)
+        return credited(by, None)
 
     async def temporal(self) -> Client:
         """The Temporal client, connected at the first call."""

@@ -81,7 +81,7 @@ class FleetControl(Connections):
         """Pause, resume or trigger the provider's fleet schedule; whether the action changed anything."""
         schedule_id = fleet_schedule_id(provider)
         handle = (await self.temporal()).get_schedule_handle(schedule_id)
-        note = f"{action.note or 'no note'} (by {action.by})"
+        note = f"{action.note or 'no note'}; by {self.credited(action.by)}"
         try:
             if action.pause:
                 await handle.pause(note=note)
@@ -136,7 +136,7 @@ class FleetControl(Connections):
         bmdb = await self.bmdb()
         releases = []
         for provider in providers:
-            hold, released = await bmdb.release_recoveries(provider, by=by, reason=reason)
+            hold, released = await bmdb.release_recoveries(provider, by=self.credited(by), reason=reason)
             if hold is None:
                 releases.append(HoldRelease(provider))
                 continue
@@ -159,7 +159,7 @@ class FleetControl(Connections):
             return
         bmdb = await self.bmdb()
         for provider in providers:
-            detail = f"provider {provider}: by {action.by}" + (f": {action.note}" if action.note else "")
+            detail = f"provider {provider}: by {self.credited(action.by)}" + (f": {action.note}" if action.note else "")
             await bmdb.add_event(None, action.event_kind, detail)
 
 

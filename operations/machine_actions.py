@@ -81,7 +81,10 @@ class MachineActions(Connections):
             raise OperatorRefused(f"{workflow_id}: {refusal_text(error)}") from None
 
     async def ask_workflow(self, workflow_id: str, update: str, request: OperatorRequest | MaintenanceRequest) -> str:
-        """Send the update to one machine workflow; its answer, as a line naming the workflow."""
+        """Send the update to one machine workflow, with the API's proof when the operator is a verified one; its
+        answer, as a line naming the workflow."""
+        if self.attestation is not None:
+            request = self.attestation.attest(workflow_id, update, request)
         handle = (await self.temporal()).get_workflow_handle(workflow_id)
         return f"{workflow_id}: {await handle.execute_update(update, request, result_type=str)}"
 
@@ -144,7 +147,7 @@ class MachineActions(Connections):
         if record.ssh_host_key is None:
             return f"{machine} has no pinned host key; its next takeover pins the key it sees"
         fingerprint = host_key_fingerprint(record.ssh_host_key)
-        why = f"by {by}: {reason}; was {fingerprint}"
+        why = f"by {self.credited(by)}: {reason}; was {fingerprint}"
         if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, why):
             raise HostKeyError(
                 f"the host key pin of {machine} changed while it was being reset; nothing was reset, "

@@ -56,6 +56,7 @@ from foundation.metrics import (
     metrics_runtime,
     refresh_gauges,
 )
+from foundation.operator_proof import install_trust
 from foundation.provider_instances import ProviderInstance
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
@@ -92,6 +93,8 @@ def workflow_queue_worker(
     client: Client, settings: Settings, workflows: Sequence[type], activities: Sequence[Callable[..., Any]]
 ) -> Worker:
     """The worker of settings.task_queue: the workflows, and the activities that call BMDB and Temporal."""
+    # The machine workflows' update validators read it, in the sandbox where they can read nothing else.
+    install_trust(settings.task_queue, settings.operator_trust())
     return Worker(
         client,
         task_queue=settings.task_queue,

@@ -72,12 +72,12 @@ async def test_decommission_through_the_cli_retires_the_machine_for_good(
         assert code == 0, err
         assert out.startswith("machine-sim-node-0001: decommissioning (end of lease): its agent is stopped")
         result = await decommissioned(stack, "node-0001")
-        assert (result.by, result.reason, result.provider_action) == ("alice", "end of lease", "released")
+        assert (result.by, result.reason, result.provider_action) == ("alice (unverified)", "end of lease", "released")
         assert result.agent.startswith("stopped over SSH: stopped: removed the agent key")
 
         record = await heartbeat_of(stack, bmdb, "node-0001")
         assert record.retired_at is not None and record.agent_public_key is None
-        assert record.retired_reason.startswith("asked by alice: end of lease; agent: stopped over SSH")
+        assert record.retired_reason.startswith("asked by alice (unverified): end of lease; agent: stopped over SSH")
         kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
         assert kinds[:2] == ["decommissioned", "decommissioning"]
         assert "node-0001" not in stack.simulator.state.machines
@@ -97,7 +97,7 @@ async def test_decommission_through_the_cli_retires_the_machine_for_good(
         assert [line.split()[0] for line in out.splitlines()[1:]] == ["node-0001"]
         code, out, err = await shepherd("status", "node-0001")
         assert code == 0, err
-        assert "decommissioned" in out and "asked by alice: end of" in out
+        assert "decommissioned" in out and "asked by alice (unverif" in out
 
         # The Temporal CLI sends the same update, and hears the same refusal for a request without a reason.
         temporal = [
@@ -128,5 +128,5 @@ async def test_decommission_through_the_cli_retires_the_machine_for_good(
         assert taken.returncode == 0, taken.stderr
         assert "decommissioning (rack emptied)" in taken.stdout
         result = await decommissioned(stack, "node-0002")
-        assert result.by == "bob"
+        assert result.by == "bob (unverified)"
         await stack.wait_for_stage(["node-0003"], MachineStage.WATCHING)

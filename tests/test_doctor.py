@@ -266,7 +266,7 @@ async def test_a_paused_fleet_and_a_certificate_near_its_end_warn_without_failin
         "heartbeat endpoint certificate",
     }
     assert report.lines["fleet sim"][0] == "warn"
-    assert "PAUSED (rack move (by " in report.detail("fleet sim")
+    assert "PAUSED (rack move; by " in report.detail("fleet sim")
     assert report.detail("fleet sim").endswith("no passes until `shepherd fleet --resume`")
     status, detail = report.lines["heartbeat endpoint certificate"]
     assert status == "warn" and detail.startswith("expires in 9 days (") and detail.endswith("under 30 days, renew it")

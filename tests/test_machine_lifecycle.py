@@ -575,13 +575,13 @@ async def test_a_machine_past_its_recovery_budget_is_quarantined_until_an_operat
             await handle.execute_update(MachineWorkflow.release, {"by": "alice"})
         assert "say why" in str(refused.value.cause)
         answer = await handle.execute_update(MachineWorkflow.release, {"reason": "PSU replaced", "by": "alice"})
-        assert answer.startswith("released by alice (PSU replaced)")
+        assert answer.startswith("released by alice (unverified) (PSU replaced)")
         await env.sleep(timedelta(seconds=120))
         status = await handle.query(MachineWorkflow.status)
         assert (status.stage, status.recovery_count, status.quarantine) == (MachineStage.WATCHING, 4, None)
-        assert status.last_recovery_reason == "heartbeat lost: silent 4 (released by alice: PSU replaced)"
+        assert status.last_recovery_reason == "heartbeat lost: silent 4 (released by alice (unverified): PSU replaced)"
         assert len(status.recent_recoveries) == 1, "the budget starts afresh"
-        assert fakes.quarantines[-1] == (False, "released by alice: PSU replaced")
+        assert fakes.quarantines[-1] == (False, "released by alice (unverified): PSU replaced")
         await handle.terminate()
 
 
@@ -644,7 +644,7 @@ async def test_an_operator_asks_for_a_reimage_which_the_budget_never_counts(time
         assert status.last_recovery_reason == "forced reimage: disk errors (by alice)"
         assert len(fakes.reimages) == 1 and not fakes.reboots
         assert fakes.reimages[0].kind is RecoveryKind.FORCED
-        assert ("reimage_forced", "by alice: disk errors") in fakes.actions_logged
+        assert ("reimage_forced", "by alice (unverified): disk errors") in fakes.actions_logged
 
         # Where the provider cannot, the operator's machine is rebooted instead.
         fakes.can_reimage = False
@@ -686,7 +686,7 @@ async def test_a_forced_recovery_releases_a_quarantined_machine(time_skipping_en
         await env.sleep(timedelta(seconds=120))
         status = await handle.query(MachineWorkflow.status)
         assert (status.stage, status.recovery_count) == (MachineStage.WATCHING, 2)
-        assert fakes.quarantines[-1] == (False, "released by unknown: forced: reseated the NIC")
+        assert fakes.quarantines[-1] == (False, "released by unknown (unverified): forced: reseated the NIC")
         await handle.terminate()
 
 
@@ -734,7 +734,7 @@ async def test_a_machine_in_maintenance_is_left_alone_and_its_agent_decides_what
         await env.sleep(timedelta(seconds=1))
         status = await handle.query(MachineWorkflow.status)
         assert status.stage is MachineStage.MAINTENANCE and status.maintenance is not None
-        assert (status.maintenance.by, status.maintenance.left) == ("alice", MachineStage.WATCHING)
+        assert (status.maintenance.by, status.maintenance.left) == ("alice (unverified)", MachineStage.WATCHING)
         # The technician powers it off: the watchdog's signal changes nothing, for hours.
         await handle.signal(MachineWorkflow.heartbeat_lost, HeartbeatLost("silent", "SHA256:agent-1"))
         await env.sleep(timedelta(hours=3))
@@ -746,12 +746,12 @@ async def test_a_machine_in_maintenance_is_left_alone_and_its_agent_decides_what
         status = await handle.query(MachineWorkflow.status)
         assert status.stage is MachineStage.WATCHING and status.maintenance is None
         assert fakes.maintenance_records == [
-            (True, "by alice: replacing DIMM (it was WATCHING)"),
-            (False, "by alice: maintenance done" + ("; reboot asked" if recover else "")),
+            (True, "by alice (unverified): replacing DIMM (it was WATCHING)"),
+            (False, "by alice (unverified): maintenance done" + ("; reboot asked" if recover else "")),
         ]
         if recover:
             assert [cause for _, cause in fakes.reboots] == [
-                "forced: maintenance over, reboot asked by alice: maintenance done"
+                "forced: maintenance over, reboot asked by alice (unverified): maintenance done"
             ]
         else:
             assert fakes.reboots == [], "maintenance ends without a reboot unless one is asked for"
@@ -830,7 +830,7 @@ async def test_a_decommissioned_machine_is_retired_and_its_workflow_completes_wi
         assert "it is being decommissioned" in str(refused.value.cause)
 
         result = await handle.result()
-        assert (result.reason, result.by, result.provider_action) == ("end of lease", "dave", "released")
+        assert (result.reason, result.by, result.provider_action) == ("end of lease", "dave (unverified)", "released")
         assert result.agent.startswith("not stopped (SSH_ERROR: SSH refused)")
         assert fakes.calls[-6:] == [
             "forget_decommissioned_agent",
@@ -841,7 +841,7 @@ async def test_a_decommissioned_machine_is_retired_and_its_workflow_completes_wi
             "record_retired",
         ]
         assert fakes.reboots == [] and len(fakes.agent_attempt_times) == 1
-        assert fakes.retired_records[0].startswith("asked by dave: end of lease; agent: not stopped")
+        assert fakes.retired_records[0].startswith("asked by dave (unverified): end of lease; agent: not stopped")
         description = await handle.describe()
         assert description.typed_search_attributes.get(MACHINE_STAGE) == MachineStage.DECOMMISSIONED.value
 
@@ -885,7 +885,7 @@ async def test_a_machine_held_apart_is_decommissioned_at_once(time_skipping_env,
         await decommission(handle, reason="scrapped", by="frank")
         await env.sleep(timedelta(seconds=2))
         result = await handle.result()
-        assert result.by == "frank" and fakes.reboots == []
+        assert result.by == "frank (unverified)" and fakes.reboots == []
         # Woken from its back-off at once: no attempt after the decommission was asked for.
         assert fakes.calls.count("start_agent") == 1
 
@@ -924,16 +924,16 @@ async def test_operator_actions_say_who_asked_in_the_status_and_the_event_log(ti
         status = await handle.query(MachineWorkflow.status)
         # Kept across the recoveries' continue-as-new.
         assert [(a.action, a.by, a.reason) for a in status.actions] == [
-            ("retry_now", "alice", "cable fixed"),
-            ("force_recover", "bob", "disk errors"),
-            ("force_recover", "unknown", "smells of smoke"),
-            ("set_maintenance", "carol", "on: fans"),
+            ("retry_now", "alice (unverified)", "cable fixed"),
+            ("force_recover", "bob (unverified)", "disk errors"),
+            ("force_recover", "unknown (unverified)", "smells of smoke"),
+            ("set_maintenance", "carol (unverified)", "on: fans"),
         ]
         assert [cause for _, cause in fakes.reboots] == ["forced: disk errors (by bob)", "forced: smells of smoke"]
         assert fakes.actions_logged == [
-            ("retry_asked", "by alice: cable fixed"),
-            ("recovery_forced", "by bob: disk errors"),
-            ("recovery_forced", "by unknown: smells of smoke"),
+            ("retry_asked", "by alice (unverified): cable fixed"),
+            ("recovery_forced", "by bob (unverified): disk errors"),
+            ("recovery_forced", "by unknown (unverified): smells of smoke"),
         ]
         await handle.terminate()
 
@@ -965,14 +965,17 @@ async def test_an_update_accepted_while_a_run_waits_for_its_handlers_is_carried_
         await restart.result()
         if asked == "decommission":
             result = await asyncio.wait_for(handle.result(), timeout=60)
-            assert (result.by, result.reason, result.provider_action) == ("frank", "scrapped", "released")
+            assert (result.by, result.reason, result.provider_action) == ("frank (unverified)", "scrapped", "released")
         else:
             await env.sleep(timedelta(seconds=2))
             status = await handle.query(MachineWorkflow.status)
             assert (await handle.describe()).run_id != first_run, "the restart continued the workflow as new"
             assert status.stage is MachineStage.MAINTENANCE and status.maintenance is not None
-            assert (status.maintenance.by, status.maintenance.left) == ("carol", MachineStage.AGENT_STARTING)
-            assert fakes.maintenance_records == [(True, "by carol: fans (it was AGENT_STARTING)")]
+            assert (status.maintenance.by, status.maintenance.left) == (
+                "carol (unverified)",
+                MachineStage.AGENT_STARTING,
+            )
+            assert fakes.maintenance_records == [(True, "by carol (unverified): fans (it was AGENT_STARTING)")]
             await maintenance(handle, on=False, reason="fans replaced", by="carol")
             await env.sleep(timedelta(seconds=2))
             assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING

@@ -94,7 +94,7 @@ def test_a_typed_request_goes_on_the_wire_as_the_json_an_operator_types():
         "kind": "forced",
         "reimage": False,
     }
-    assert encoded(OperatorRequest("end of lease", "carol")) == {"reason": "end of lease", "by": "carol"}
+    assert encoded(OperatorRequest("end of lease", "carol")) == {"reason": "end of lease", "by": "carol", "proof": None}
     assert decoded(encoded(MaintenanceRequest(True, "fans", "bob")), MaintenanceRequest) == MaintenanceRequest(
         True, "fans", "bob"
     )

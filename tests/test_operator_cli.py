@@ -210,17 +210,18 @@ async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
         assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
         events = await bmdb.list_events(record.machine_id)
         assert any(
-            e.kind == "host_key_reset" and e.detail == f"by dc-ops: reinstalled by DC ops; was {old_fingerprint}"
+            e.kind == "host_key_reset"
+            and e.detail == f"by dc-ops (unverified): reinstalled by DC ops; was {old_fingerprint}"
             for e in events
         )
         # Who did what: the forced recovery (from a signal that named no one), the reboot, the reset, the retry.
         code, out, err = await shepherd_cli(env, "events", "node-0001", "--actions", "--json")
         assert code == 0, err
         assert [(e["kind"], e["detail"]) for e in json.loads(out)["events"]] == [
-            ("retry_asked", "by dc-ops: host key pin reset: reinstalled by DC ops"),
-            ("host_key_reset", f"by dc-ops: reinstalled by DC ops; was {old_fingerprint}"),
+            ("retry_asked", "by dc-ops (unverified): host key pin reset: reinstalled by DC ops"),
+            ("host_key_reset", f"by dc-ops (unverified): reinstalled by DC ops; was {old_fingerprint}"),
             ("rebooted", "rebooted: forced: reinstalled"),
-            ("recovery_forced", "by unknown: reinstalled"),
+            ("recovery_forced", "by unknown (unverified): reinstalled"),
         ]
 
         # A pin that changed since it was read is not reset.
@@ -271,12 +272,15 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         assert code == 0, err
         assert out.splitlines()[:2] == [
             "paused the fleet schedule shepherd-fleet-sim: no passes until `shepherd fleet --resume`",
-            "schedule shepherd-fleet-sim: PAUSED (rack maintenance (by alice)), every 1m",
+            "schedule shepherd-fleet-sim: PAUSED (rack maintenance; by alice (unverified)), every 1m",
         ]
         code, out, err = await shepherd_cli(env, "fleet", "--json", "--passes", "1")
         [facts] = json.loads(out)["providers"]
         assert facts["provider"] == "sim"
-        assert facts["schedule"]["paused"] is True and facts["schedule"]["note"] == "rack maintenance (by alice)"
+        assert (
+            facts["schedule"]["paused"] is True
+            and facts["schedule"]["note"] == "rack maintenance; by alice (unverified)"
+        )
         assert facts["passes"][0]["outcome"] == "refused" and facts["passes"][0]["result"]["plan"]["bmdb_count"] == 1
 
         code, out, err = await shepherd_cli(env, "fleet", "--resume", "--passes", "1")
@@ -292,9 +296,9 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         assert code == 0, err
         actions = [(e["provider_id"], e["kind"], e["detail"]) for e in json.loads(out)["events"]]
         assert actions[:3] == [
-            (None, "fleet_triggered", "provider sim: by bob"),
-            (None, "fleet_resumed", f"provider sim: by {operator()}"),
-            (None, "fleet_paused", "provider sim: by alice: rack maintenance"),
+            (None, "fleet_triggered", "provider sim: by bob (unverified)"),
+            (None, "fleet_resumed", f"provider sim: by {operator()} (unverified)"),
+            (None, "fleet_paused", "provider sim: by alice (unverified): rack maintenance"),
         ]
         code, out, err = await shepherd_cli(env, "events", "--actions")
         assert out.splitlines()[2].split()[2:4] == ["(fleet)", "fleet_triggered"]

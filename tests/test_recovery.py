@@ -77,6 +77,7 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
         # BMDB does not confirm either silence, so neither reboots.
         healthy = await heartbeat_of(stack, bmdb, "node-0002")
         agent = (await stack.status("node-0002")).agent
+        assert agent is not None
         forged = {"cause": "forged", "agent_key_fingerprint": agent.key_fingerprint}
         for provider_id, argument in (("node-0002", forged), ("node-0001", "stale")):
             await temporal_client.get_workflow_handle(f"machine-sim-{provider_id}").signal(
@@ -233,9 +234,9 @@ async def test_a_machine_that_keeps_dying_is_quarantined_and_released_with_sheph
 
         code, out, err = await shepherd("release", "node-0001", "--reason", "memory replaced", "--by", "alice")
         assert code == 0, err
-        assert out.startswith("machine-sim-node-0001: released by alice (memory replaced)")
+        assert out.startswith("machine-sim-node-0001: released by alice (unverified) (memory replaced)")
         status = await wait_for(lambda: _stage_is(stack, "node-0001", MachineStage.WATCHING, 2), what="recovery")
-        assert status.last_recovery_reason.endswith("(released by alice: memory replaced)")
+        assert status.last_recovery_reason.endswith("(released by alice (unverified): memory replaced)")
         assert (await _story(bmdb, record.machine_id))[:4] == ["agent_started", "rebooted", "released", "quarantined"]
         assert (await stack.status("node-0002")).recovery_count == 0
 

@@ -186,7 +186,7 @@ async def test_many_silent_machines_are_held_until_an_operator_releases_them(
 
         released = await stack.run_pass()
         assert released.silent == ["node-0001", "node-0002"]
-        assert released.recoveries_held is not None and released.recoveries_held.released_by == "alice"
+        assert released.recoveries_held is not None and released.recoveries_held.released_by == "alice (unverified)"
 
         async def recovered() -> bool:
             statuses = [await stack.status(p) for p in ("node-0001", "node-0002")]

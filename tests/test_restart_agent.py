@@ -100,11 +100,13 @@ async def test_a_watching_machine_gets_a_new_agent_without_a_reboot(
         assert total(await scrape(sim_port), "shepherd_sim_reboots_total") == 0
         assert stack.simulator.machines["node-0001"].status == "active"
         # Who asked and why: the status, and the event log of operator actions.
-        assert [(a.action, a.by, a.reason) for a in status.actions] == [("restart_agent", "alice", "agent 2.1")]
+        assert [(a.action, a.by, a.reason) for a in status.actions] == [
+            ("restart_agent", "alice (unverified)", "agent 2.1")
+        ]
         code, out, err = await shepherd("events", "node-0001", "--actions", "--json")
         assert code == 0, err
         assert [(e["kind"], e["detail"]) for e in json.loads(out)["events"]] == [
-            ("agent_restart_asked", "by alice: agent 2.1")
+            ("agent_restart_asked", "by alice (unverified): agent 2.1")
         ]
         # The other machines were left alone.
         for other in ("node-0002", "node-0003"):
@@ -189,7 +191,9 @@ async def test_a_static_machine_behind_sshd_gets_a_new_agent_without_a_reboot(
             assert reset_requests(lab_bmc, "lab-01") == resets_before == 0
             assert power_state(lab_bmc, "lab-01") == "On"
             assert (status.recovery_count, status.last_recovery_reason, status.recent_recoveries) == (0, None, [])
-            assert [(a.action, a.by, a.reason) for a in status.actions] == [("restart_agent", "alice", "agent 2.1")]
+            assert [(a.action, a.by, a.reason) for a in status.actions] == [
+                ("restart_agent", "alice (unverified)", "agent 2.1")
+            ]
             story = [e.kind for e in reversed(await bmdb.list_events(first.machine_id))]
             assert story[-3:] == ["agent_started", "agent_restart_asked", "agent_started"], story
             assert "rebooted" not in story
@@ -248,7 +252,7 @@ async def test_restart_agent_is_refused_where_no_takeover_may_run_and_needs_none
         code, out, err = await shepherd("maintenance", "node-0002", "--on", "--reason", "DIMM", "--by", "bob")
         assert code == 0, err
         err = await refused("node-0002")
-        assert "it is in maintenance, asked by bob at " in err and ": DIMM; " in err
+        assert "it is in maintenance, asked by bob (unverified) at " in err and ": DIMM; " in err
         assert "shepherd maintenance --off" in err
 
         # Quarantined: held for an operator, whose release reboots it.
@@ -266,7 +270,9 @@ async def test_restart_agent_is_refused_where_no_takeover_may_run_and_needs_none
         assert code == 0, err
         await stack.wait_for_stage(["node-0004"], MachineStage.DECOMMISSIONING)
         err = await refused("node-0004")
-        assert "it is being decommissioned, asked by carol at " in err and err.rstrip().endswith("end of lease")
+        assert "it is being decommissioned, asked by carol (unverified) at " in err and err.rstrip().endswith(
+            "end of lease"
+        )
 
         # Without a reason, from the Temporal CLI or a script: refused, naming what to give.
         with pytest.raises(WorkflowUpdateFailedError) as caught:

@@ -26,10 +26,10 @@ from temporalio.common import RawValue
 
 from workflows.machine import activities
 from workflows.machine.flows import MachineFlows
+from workflows.machine.requests import ActionLog, check_proof_in_validator, given
 from workflows.machine.run import ContinueStep, DecommissionNow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.recovery import RecoveryActivities
     from lifecycle.contracts import (
         DECOMMISSION_UPDATE,
         FORCE_RECOVER_SIGNAL,
@@ -47,26 +47,15 @@ with workflow.unsafe.imports_passed_through():
         MachineStatus,
         Maintenance,
         MaintenanceRequest,
-        OperatorAction,
-        OperatorActionInput,
         OperatorRequest,
         RecoveryKind,
         RecoveryRequest,
+        credited,
     )
-
-# Signals recorded before operator actions were logged in BMDB recorded nothing.
-_ACTIONS_LOGGED = "operator-actions-logged"
-# How many operator actions the status keeps.
-_ACTIONS_KEPT = 10
-
-
-def _given(request: OperatorRequest | None) -> OperatorRequest:
-    """An update's request, or the empty one its validator refuses when none was sent."""
-    return request or OperatorRequest()
 
 
 @workflow.defn(name="MachineWorkflow")
-class MachineWorkflow(MachineFlows):
+class MachineWorkflow(MachineFlows, ActionLog):
     """One machine's lifecycle: each step tried until it succeeds, then WATCHING until a recovery is asked for."""
 
     # The status exists before the first signal handler runs: a signal that
@@ -199,7 +188,8 @@ class MachineWorkflow(MachineFlows):
         request = dataclasses.replace(request, kind=RecoveryKind.FORCED)
         self._request_recovery(request)
         kind = "reimage_forced" if request.reimage else "recovery_forced"
-        await self._log_action(FORCE_RECOVER_SIGNAL, request.by, request.reason, kind)
+        # A signal has no validator to check a proof in before it acts: whatever it says, it is unverified.
+        await self._log_action(FORCE_RECOVER_SIGNAL, credited(request.by, None), request.reason, kind)
 
     @workflow.signal(name=HEARTBEAT_LOST_SIGNAL)
     def heartbeat_lost(self, lost: HeartbeatLost | None = None) -> None:
@@ -229,7 +219,7 @@ class MachineWorkflow(MachineFlows):
             return
         self._retry_now = True
         request = request or OperatorRequest()
-        reason, by = request.reason or "asked by an operator", request.by
+        reason, by = request.reason or "asked by an operator", credited(request.by, None)
         workflow.logger.info("retrying now, asked by %s: %s", by, reason, extra=self._log_fields)
         await self._log_action(RETRY_NOW_SIGNAL, by, reason, "retry_asked")
 
@@ -239,7 +229,7 @@ class MachineWorkflow(MachineFlows):
 
         An update, not a signal, so the caller hears whether it was quarantined at all.
         """
-        reason, by = _given(request).reason, _given(request).by
+        reason, by = given(request).reason, given(request).credited()
         self._release = (by, reason)
         self._note_action(RELEASE_UPDATE, by, reason)
         workflow.logger.info("released by %s: %s", by, reason, extra=self._log_fields)
@@ -247,17 +237,19 @@ class MachineWorkflow(MachineFlows):
 
     @release.validator
     def _release_allowed(self, request: OperatorRequest | None = None) -> None:
+        check_proof_in_validator(RELEASE_UPDATE, given(request))
         if self._status.stage is not MachineStage.QUARANTINED or self._release is not None:
             raise ValueError(f"not quarantined: it is {self._status.stage}")
         self._refuse_if_decommissioned()
-        _given(request).require_reason("the machine may be recovered again")
+        given(request).require_reason("the machine may be recovered again")
 
     @workflow.update(name=SET_MAINTENANCE_UPDATE)
     def set_maintenance(self, request: MaintenanceRequest | None = None) -> str:
         """``set_maintenance``: ``{"on": true, "reason": ..., "by": ...}`` takes the machine out of automation,
         ``{"on": false, "recover": false}`` ends it. An update, so the caller hears what happens, or why not."""
         checked = (request or MaintenanceRequest()).check()
-        on, reason, by, recover = bool(checked.on), checked.reason, checked.by, bool(checked.recover)
+        on, reason, recover = bool(checked.on), checked.reason, bool(checked.recover)
+        by = checked.credited()
         status = self._status
         self._note_action(SET_MAINTENANCE_UPDATE, by, f"{'on' if on else 'off'}: {reason}")
         if on:
@@ -277,7 +269,9 @@ class MachineWorkflow(MachineFlows):
 
     @set_maintenance.validator
     def _maintenance_allowed(self, request: MaintenanceRequest | None = None) -> None:
-        on = (request or MaintenanceRequest()).check().on
+        sent = request or MaintenanceRequest()
+        check_proof_in_validator(SET_MAINTENANCE_UPDATE, sent)
+        on = sent.check().on
         self._refuse_if_decommissioned()
         status = self._status
         asked = self._maintenance_asked
@@ -296,7 +290,7 @@ class MachineWorkflow(MachineFlows):
 
         An update, so the caller hears whether it was taken and when it begins.
         """
-        reason, by = _given(request).reason, _given(request).by
+        reason, by = given(request).reason, given(request).credited()
         self._decommission_asked = Decommission(since=self._now(), reason=reason, by=by)
         self._note_action(DECOMMISSION_UPDATE, by, reason)
         workflow.logger.info("decommission asked by %s: %s", by, reason, extra=self._log_fields)
@@ -311,8 +305,9 @@ class MachineWorkflow(MachineFlows):
 
     @decommission.validator
     def _decommission_allowed(self, request: OperatorRequest | None = None) -> None:
+        check_proof_in_validator(DECOMMISSION_UPDATE, given(request))
         self._refuse_if_decommissioned()
-        _given(request).require_reason("the machine is decommissioned")
+        given(request).require_reason("the machine is decommissioned")
 
     @workflow.update(name=RESTART_AGENT_UPDATE)
     async def restart_agent(self, request: OperatorRequest | None = None) -> str:
@@ -321,7 +316,7 @@ class MachineWorkflow(MachineFlows):
 
         An update, so the caller hears whether a takeover follows, or why not.
         """
-        reason, by = _given(request).reason, _given(request).by
+        reason, by = given(request).reason, given(request).credited()
         status = self._status
         stage = status.stage
         if self._restart_asked is not None:
@@ -340,6 +335,7 @@ class MachineWorkflow(MachineFlows):
 
     @restart_agent.validator
     def _restart_allowed(self, request: OperatorRequest | None = None) -> None:
+        check_proof_in_validator(RESTART_AGENT_UPDATE, given(request))
         self._refuse_if_decommissioned()
         status = self._status
         if status.stage is MachineStage.QUARANTINED:
@@ -354,25 +350,12 @@ class MachineWorkflow(MachineFlows):
                 f"it is in maintenance{who}; nothing takes it over until `shepherd maintenance --off`, after which "
                 "a silent agent is taken over again"
             )
-        _given(request).require_reason("the agent is restarted")
+        given(request).require_reason("the agent is restarted")
 
     def _refuse_if_decommissioned(self) -> None:
         asked = self._decommission_asked
         if asked is not None:
             raise ValueError(f"it is being decommissioned, asked by {asked.by} at {asked.since}: {asked.reason}")
-
-    def _note_action(self, action: str, by: str, reason: str) -> None:
-        """Keep an operator's request in the status, which shows the last few across runs."""
-        actions = self._status.actions
-        actions.append(OperatorAction(at=self._now(), action=action, by=by, reason=reason))
-        del actions[:-_ACTIONS_KEPT]
-
-    async def _log_action(self, action: str, by: str, reason: str, kind: str) -> None:
-        """_note_action, and an event of kind in BMDB's log (a signal's caller hears of nothing else)."""
-        self._note_action(action, by, reason)
-        if workflow.patched(_ACTIONS_LOGGED):
-            logged = OperatorActionInput(self._status.machine_id, kind, f"by {by}: {reason}", at=self._now())
-            await activities.mark(RecoveryActivities.record_operator_action, logged, f"log {action} by {by} in BMDB")
 
     def _request_recovery(self, request: RecoveryRequest) -> None:
         status = self._status
@@ -382,7 +365,7 @@ class MachineWorkflow(MachineFlows):
             return
         if status.stage is MachineStage.QUARANTINED and request.by_an_operator and self._release is None:
             # An operator who forces a recovery of a quarantined machine means it: that is a release.
-            self._release = (request.by, reason)
+            self._release = (credited(request.by, None), reason)
             self._reimage_on_release = request.reimage
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
             return
