@@ -1,8 +1,10 @@
-"""The text forms settings take, durations and host:port addresses, and the error that names a bad setting."""
+"""The text forms settings take, durations, host:port addresses and URLs, and the error that names a bad setting."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from urllib.parse import urlsplit
 
 ENV_PREFIX = "SHEPHERD_"
 
@@ -67,3 +69,27 @@ def format_duration(seconds: float, *, most_units: int = len(_SHOWN_UNITS)) -> s
         counts.pop()
     (first, first_unit), *others = counts
     return f"{first}{first_unit}" + "".join(f"{count:02d}{unit}" for count, unit in others)
+
+
+def https_url_problem(url: str) -> str | None:
+    """Why url cannot be trusted to say who signs what (an identity provider's, its keys'): None for an https://
+    URL with a host, or an http:// one to a loopback address, where no one else on the path can answer instead."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        return f"is not a URL: {url!r}"
+    if parts.scheme not in ("https", "http") or not host:
+        return f"must be an https:// URL, got {url!r}"
+    if parts.scheme == "http" and not _is_loopback(host):
+        return f"must be an https:// URL (http:// only to a loopback address), got {url!r}"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from foundation.operator_proof import OperatorTrust, TrustedKeys
 from foundation.provider_instances import INSTANCE_NAME, ProviderInstance
-from foundation.setting_values import SettingsError, check_listen_address, parse_endpoint
+from foundation.setting_values import SettingsError, check_listen_address, https_url_problem, parse_endpoint
 from foundation.settings_sources import read_sources
 
 # A provider plugin's factory imports ProviderInstance and SettingsError from here (docs/providers.md), so they
@@ -25,6 +27,16 @@ from foundation.settings_sources import read_sources
 __all__ = ["LOG_FORMATS", "ProviderInstance", "Settings", "SettingsError"]
 
 LOG_FORMATS = ("text", "json")
+# What each unverified_operator_actions refuses without the operator API's proof: the updates that retire a
+# machine or let a quarantined one be rebooted again. A signal (force_recover) cannot be refused before it acts.
+UNVERIFIED_OPERATOR_ACTIONS = {
+    "accept": frozenset[str](),
+    "refuse_destructive": frozenset({"decommission", "release"}),
+}
+# Where the deploy files and docs put BMC password files.
+DEFAULT_BMC_SECRETS_DIR = Path("/etc/shepherd/bmc")
+# Variables a BMC password prefix must never reach: Shepherd's settings and the Temporal client's configuration.
+_OWN_VARIABLE_PREFIXES = ("SHEPHERD_", "TEMPORAL_")
 
 
 def _duration(default: float, doc: str) -> Any:
@@ -52,6 +64,9 @@ class Settings:
     database_url: str | None = _setting(
         None, "BMDB PostgreSQL URL (postgresql://...); unset: a local PostgreSQL under state_dir"
     )
+    heartbeat_database_url: str | None = _setting(
+        None, "BMDB URL the heartbeat server uses, of a user granted shepherd_heartbeat alone; unset: database_url"
+    )
     state_dir: Path = _setting(Path(".shepherd"), "Directory for local state (embedded PostgreSQL, keys)")
 
     # Provider
@@ -62,6 +77,14 @@ class Settings:
     reboot_timeout: float = _duration(600.0, "Longest one reboot may take through a provider or BMC, confirmed")
     boot_deadline: float = _duration(
         900.0, "After a recovery reboot, how long the machine may take to answer SSH before takeovers are tried"
+    )
+    # Where a static inventory may take BMC passwords from: an inventory may be another's file, so it reads only
+    # what the operator put there for it, never Shepherd's own keys nor its variables.
+    bmc_secrets_dir: Path | None = _setting(
+        None, "Directory the inventories' BMC password files must be in; unset: /etc/shepherd/bmc"
+    )
+    bmc_password_env_prefix: str = _setting(
+        "BMC_PASSWORD_", "Prefix of the environment variables an inventory's password_env may name"
     )
 
     # SSH and the agent
@@ -150,6 +173,25 @@ class Settings:
     )
     shutdown_grace: float = _duration(10.0, "How long a stopping worker lets running activities finish")
 
+    # Operator identity: OIDC (docs/security.md#operators-and-their-tokens)
+    oidc_issuer: str = _setting(
+        "", "Issuer URL of the OIDC provider that vouches for operators (https://, http:// on loopback); empty: none"
+    )
+    oidc_audience: str = _setting("", "Audience (resource indicator) of the operator API: access tokens name it in aud")
+    oidc_client_id: str = _setting("", "Client id of `shepherd login` at the OIDC provider (a public client)")
+
+    # Operator requests sent straight to Temporal, and those the operator API signs (docs/security.md)
+    api_trusted_keys: str = _setting(
+        "",
+        "Public keys of the operator API, ed25519:<base64>, comma-separated (two during a key rotation): a request "
+        "signed with one is recorded as verified",
+    )
+    unverified_operator_actions: str = _setting(
+        "accept",
+        "Operator requests without the operator API's proof: accept (recorded as unverified), or refuse_destructive "
+        "(decommission and release refused; force_recover, maintenance and agent restarts still taken)",
+    )
+
     # Observability, per process
     metrics_listen: str = _setting("", "host:port this process serves Prometheus /metrics on; empty: none")
     log_format: str = _setting("text", "Log lines as text or json")
@@ -173,6 +215,11 @@ class Settings:
         if self.agent_executable_path is None:
             return ()
         return tuple(Path(part) for part in str(self.agent_executable_path).split(":") if part)
+
+    @property
+    def effective_bmc_secrets_dir(self) -> Path:
+        """The directory BMC password files must be in: bmc_secrets_dir, or /etc/shepherd/bmc when it is unset."""
+        return self.bmc_secrets_dir or DEFAULT_BMC_SECRETS_DIR
 
     @property
     def effective_ssh_key_path(self) -> Path:
@@ -236,13 +283,69 @@ class Settings:
                 f"must not exceed heartbeat_timeout ({self.heartbeat_timeout:g}s), got {self.heartbeat_max_skew:g}s: "
                 "a heartbeat that old would be accepted from a machine the watchdog reads as silent",
             )
+        self._check_bmc_password_env_prefix()
         if not self.agent_target_path.startswith("/"):
             raise SettingsError("agent_target_path", f"must be an absolute path, got {self.agent_target_path!r}")
         if not self.providers and not INSTANCE_NAME.match(self.provider):
             raise SettingsError("provider", f"must match {INSTANCE_NAME.pattern}, got {self.provider!r}")
-        if self.database_url is not None and not self.database_url.startswith(("postgresql://", "postgresql+")):
-            raise SettingsError("database_url", "must be a postgresql:// URL")
+        for name in ("database_url", "heartbeat_database_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("postgresql://", "postgresql+")):
+                raise SettingsError(name, "must be a postgresql:// URL")
+        if self.oidc_issuer:
+            self._check_oidc()
+        self.operator_trust()
         return self
+
+    def operator_trust(self) -> OperatorTrust:
+        """What this worker's machine workflows trust of operator requests; SettingsError naming a bad setting."""
+        try:
+            keys = TrustedKeys.parse(self.api_trusted_keys)
+        except ValueError as error:
+            raise SettingsError("api_trusted_keys", str(error)) from None
+        policy = self.unverified_operator_actions
+        if policy not in UNVERIFIED_OPERATOR_ACTIONS:
+            known = ", ".join(UNVERIFIED_OPERATOR_ACTIONS)
+            raise SettingsError("unverified_operator_actions", f"must be one of {known}, got {policy!r}")
+        refused = UNVERIFIED_OPERATOR_ACTIONS[policy]
+        if refused and not keys.keys:
+            raise SettingsError(
+                "unverified_operator_actions",
+                f"{policy} needs api_trusted_keys: without the operator API's keys no request could be verified",
+            )
+        return OperatorTrust(keys, refused)
+
+    def _check_oidc(self) -> None:
+        # The issuer's URL is where its signing keys come from: whoever can answer there can sign as any operator.
+        problem = https_url_problem(self.oidc_issuer)
+        if problem is None and ("?" in self.oidc_issuer or "#" in self.oidc_issuer):
+            problem = f"must have no query or fragment, got {self.oidc_issuer!r}"
+        if problem is not None:
+            raise SettingsError("oidc_issuer", problem)
+        if not self.oidc_audience:
+            raise SettingsError("oidc_audience", "must be set with oidc_issuer: the audience access tokens must name")
+
+    def check_login(self) -> Settings:
+        """What `shepherd login` needs on top of check(): an issuer, the API's audience and the client id."""
+        self.check()
+        if not self.oidc_issuer:
+            raise SettingsError("oidc_issuer", "must be set to the issuer URL of the OIDC provider to log in at")
+        if not self.oidc_client_id:
+            raise SettingsError("oidc_client_id", "must be set to the client id of `shepherd login` at the issuer")
+        return self
+
+    def _check_bmc_password_env_prefix(self) -> None:
+        prefix = self.bmc_password_env_prefix
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
+            problem = f"must be the start of a variable name, such as BMC_PASSWORD_, got {prefix!r}"
+            raise SettingsError("bmc_password_env_prefix", problem)
+        for own in _OWN_VARIABLE_PREFIXES:
+            # Either way round: SHEPHERD_DATABASE_ and S both reach SHEPHERD_DATABASE_URL.
+            if own.startswith(prefix) or prefix.startswith(own):
+                raise SettingsError(
+                    "bmc_password_env_prefix",
+                    f"must not reach the {own} variables (Shepherd's own and Temporal's secrets), got {prefix!r}",
+                )
 
     def check_agent(self) -> Settings:
         """What a worker that starts agents needs on top of check()."""

@@ -189,3 +189,17 @@ def shepherd_cli(monkeypatch, capsys):
         return code, out, err
 
     return run
+
+
+# Modules whose tests start `shepherd dev`, whose embedded stack listens on its fixed ports (Temporal 7233 and
+# 8233, the simulator 8800, heartbeats 8900): with the suite spread over processes, one process runs them all.
+FIXED_PORT_MODULES = {"test_cli", "test_ironic_machines", "test_static_machines", "test_doctor", "test_observability"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tests for pytest-xdist's --dist loadgroup: a module's tests stay in one process, so its module
+    fixtures (an Ironic, a fleet stack) start once; the modules of FIXED_PORT_MODULES share one process."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+        group = "fixed-ports" if module in FIXED_PORT_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
