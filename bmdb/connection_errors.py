@@ -46,11 +46,24 @@ def _parameters(url: str) -> dict[str, str]:
         return {}
 
 
-def _file_problem(reason: str) -> str:
-    """OpenSSL's words for a file that holds no PEM block, in an operator's."""
-    if reason in ("no certificate or crl found", "no start line") or "PEM" in reason:
+def _file_problem(path: str, reason: str) -> str:
+    """Why libpq could not read the file, in an operator's words.
+
+    The reason libpq quotes is the newest error in OpenSSL's queue for the thread, which may be another TLS
+    connection's ("shutdown while in init"), so a file that holds no PEM block is told by looking at it.
+    """
+    if reason in ("no certificate or crl found", "no start line") or "PEM" in reason or not _holds_pem(path):
         return "it holds no PEM certificate or key"
     return reason
+
+
+def _holds_pem(path: str) -> bool:
+    """Whether the file has a PEM block; True when it cannot be read, which libpq's own reason then tells."""
+    try:
+        with open(path, "rb") as file:
+            return b"-----BEGIN " in file.read(1 << 20)
+    except OSError:
+        return True
 
 
 # Each: a pattern in libpq's message, and the cause it means given the URL's parameters and the match.
@@ -71,7 +84,8 @@ def _root_missing(parameters: dict[str, str], found: re.Match[str]) -> str:
 
 
 def _root_unreadable(parameters: dict[str, str], found: re.Match[str]) -> str:
-    return f"cannot read the CA certificate file {found['path']} (sslrootcert): {_file_problem(found['reason'])}"
+    path = found["path"]
+    return f"cannot read the CA certificate file {path} (sslrootcert): {_file_problem(path, found['reason'])}"
 
 
 def _not_verified(parameters: dict[str, str], found: re.Match[str]) -> str:
@@ -130,11 +144,13 @@ def _key_missing(parameters: dict[str, str], found: re.Match[str]) -> str:
 
 
 def _certificate_unreadable(parameters: dict[str, str], found: re.Match[str]) -> str:
-    return f"cannot read the client certificate file {found['path']} (sslcert): {_file_problem(found['reason'])}"
+    path = found["path"]
+    return f"cannot read the client certificate file {path} (sslcert): {_file_problem(path, found['reason'])}"
 
 
 def _key_unreadable(parameters: dict[str, str], found: re.Match[str]) -> str:
-    return f"cannot read the client key file {found['path']} (sslkey): {_file_problem(found['reason'])}"
+    path = found["path"]
+    return f"cannot read the client key file {path} (sslkey): {_file_problem(path, found['reason'])}"
 
 
 def _plain_text_refused(parameters: dict[str, str], found: re.Match[str]) -> str:

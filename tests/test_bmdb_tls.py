@@ -27,6 +27,7 @@ import pytest
 from sqlalchemy import text
 
 from bmdb import migrate
+from bmdb.connection_errors import connection_failure
 from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.migrate import open_bmdb
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
@@ -384,3 +385,17 @@ async def test_the_worker_and_the_heartbeat_writes_fail_on_one_line_too(tls_post
     message = str(failed.value)
     assert message.startswith("BMDB failed while recording heartbeats: cannot connect to BMDB at ")
     assert cause in message and "\n" not in message and PASSWORD not in message
+
+
+def test_a_file_without_pem_is_told_whatever_reason_openssl_left_behind(tmp_path: Path):
+    """libpq quotes the newest error in OpenSSL's queue for its thread, which may be another connection's."""
+    not_pem = tmp_path / "not-a-certificate.pem"
+    not_pem.write_text("hello\n")
+    pem = tmp_path / "ca.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    url = f"postgresql://shepherd:secret@127.0.0.1:5432/bmdb?sslmode=verify-full&sslrootcert={not_pem}"
+    for path, expected in ((not_pem, "it holds no PEM certificate or key"), (pem, "shutdown while in init")):
+        libpq = f'connection failed: could not read root certificate file "{path}": shutdown while in init'
+        line = connection_failure(url, Exception(libpq))
+        assert line.endswith(f"cannot read the CA certificate file {path} (sslrootcert): {expected}"), line
+        assert "secret" not in line
