@@ -132,6 +132,7 @@ class ThrottledLog:
         self._logged: dict[str, tuple[float, int]] = {}
 
     def __call__(self, level: int, kind: str, message: str, *args: object) -> None:
+        """Log the message unless one of its kind was logged lately; the next says how many it stands for."""
         now = time.monotonic()
         last, unlogged = self._logged.get(kind, (float("-inf"), 0))
         if now - last < self.every:

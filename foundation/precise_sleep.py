@@ -25,6 +25,7 @@ class PreciseSleeper:
         self._thread: threading.Thread | None = None
 
     async def sleep(self, seconds: float) -> None:
+        """Wait seconds, never less, woken by the sleeper's thread rather than the event loop's coarser timer."""
         if seconds <= 0:
             return
         loop = asyncio.get_running_loop()

@@ -80,6 +80,7 @@ class TakeoverFailure(enum.StrEnum):
 
     @property
     def retryable(self) -> bool:
+        """Whether trying again later may help, without an operator looking first."""
         # A changed host key may be an impostor: an operator must look before
         # Shepherd sends anything to that machine again. All else may pass.
         return self is not TakeoverFailure.HOST_KEY_CHANGED
@@ -98,6 +99,7 @@ class TakeoverError(Exception):
 
     @property
     def retryable(self) -> bool:
+        """Whether trying again later may help: its failure's."""
         return self.failure.retryable
 
     def __reduce__(self) -> tuple[Any, ...]:
