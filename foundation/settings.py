@@ -192,6 +192,11 @@ class Settings:
         "(decommission and release refused; force_recover, maintenance and agent restarts still taken)",
     )
 
+    # Who may do what through the operator API (docs/security.md#who-may-do-what-the-policy)
+    api_policy_path: Path | None = _setting(
+        None, "TOML file of the operator API's roles, grants and confirmations; unset: no policy, nothing is granted"
+    )
+
     # Observability, per process
     metrics_listen: str = _setting("", "host:port this process serves Prometheus /metrics on; empty: none")
     log_format: str = _setting("text", "Log lines as text or json")
@@ -294,6 +299,8 @@ class Settings:
                 raise SettingsError(name, "must be a postgresql:// URL")
         if self.oidc_issuer:
             self._check_oidc()
+        if self.api_policy_path is not None and not self.api_policy_path.is_file():
+            raise SettingsError("api_policy_path", f"{self.api_policy_path} is not a readable file")
         self.operator_trust()
         return self
 
