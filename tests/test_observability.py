@@ -111,8 +111,11 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
             await kill_agent_and_wait_for_recovery(stack)
 
             async def worker_saw_fleet() -> Series | None:
+                # The gauges count running workflows through Temporal's visibility, which for a moment after a
+                # continue-as-new may still list the run that ended (RECOVERING) beside the new one (WATCHING).
                 series = await scrape(worker_port)
-                return series if total(series, "shepherd_machines", stage="WATCHING") == 2 else None
+                settled = total(series, "shepherd_machines", stage="RECOVERING") == 0
+                return series if settled and total(series, "shepherd_machines", stage="WATCHING") == 2 else None
 
             worker_series = await wait_for(worker_saw_fleet, what="worker gauges")
             assert total(worker_series, "shepherd_takeovers_total", outcome="ok") >= 3
@@ -120,7 +123,6 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
             assert total(worker_series, "shepherd_machines_admitted_total") == 2
             assert total(worker_series, "shepherd_silent_machines_signalled_total") >= 1
             assert total(worker_series, "shepherd_recovery_reboots_total", cause="heartbeat_lost", outcome="ok") == 1
-            assert total(worker_series, "shepherd_machines", stage="RECOVERING") == 0
             assert total(worker_series, "shepherd_heartbeat_age_max_seconds") < 3
             silent_of_sim = frozenset({("shepherd_process", "worker"), ("provider", "sim"), *service()})
             assert ("shepherd_machines_silent", silent_of_sim) in worker_series
