@@ -10,6 +10,7 @@ foundation.settings_report, the text forms they take foundation.setting_values.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 from collections.abc import Mapping
@@ -37,6 +38,16 @@ UNVERIFIED_OPERATOR_ACTIONS = {
 DEFAULT_BMC_SECRETS_DIR = Path("/etc/shepherd/bmc")
 # Variables a BMC password prefix must never reach: Shepherd's settings and the Temporal client's configuration.
 _OWN_VARIABLE_PREFIXES = ("SHEPHERD_", "TEMPORAL_")
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether a listen address is this host's loopback alone: bearer tokens in plain http go nowhere else."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _duration(default: float, doc: str) -> Any:
@@ -197,6 +208,16 @@ class Settings:
         None, "TOML file of the operator API's roles, grants and confirmations; unset: no policy, nothing is granted"
     )
 
+    # The operator API process, `shepherd api` (docs/operations.md#the-operator-api)
+    api_listen: str = _setting("127.0.0.1:8700", "host:port the operator API listens on")
+    api_signing_key_path: Path | None = _setting(
+        None, "File (mode 0600) of the operator API's ed25519 signing key, the base64 of its 32-byte seed"
+    )
+    api_tls_certificate_path: Path | None = _setting(
+        None, "PEM certificate chain of the operator API; unset: plain http, on a loopback address only"
+    )
+    api_tls_key_path: Path | None = _setting(None, "PEM private key of the operator API's certificate")
+
     # Observability, per process
     metrics_listen: str = _setting("", "host:port this process serves Prometheus /metrics on; empty: none")
     log_format: str = _setting("text", "Log lines as text or json")
@@ -301,6 +322,14 @@ class Settings:
             self._check_oidc()
         if self.api_policy_path is not None and not self.api_policy_path.is_file():
             raise SettingsError("api_policy_path", f"{self.api_policy_path} is not a readable file")
+        check_listen_address("api_listen", self.api_listen)
+        if (self.api_tls_certificate_path is None) != (self.api_tls_key_path is None):
+            given, missing = (
+                ("api_tls_certificate_path", "api_tls_key_path")
+                if self.api_tls_key_path is None
+                else ("api_tls_key_path", "api_tls_certificate_path")
+            )
+            raise SettingsError(missing, f"must be set with {given}: a certificate is served with its key")
         self.operator_trust()
         return self
 
@@ -339,6 +368,29 @@ class Settings:
             raise SettingsError("oidc_issuer", "must be set to the issuer URL of the OIDC provider to log in at")
         if not self.oidc_client_id:
             raise SettingsError("oidc_client_id", "must be set to the client id of `shepherd login` at the issuer")
+        return self
+
+    def check_api(self) -> Settings:
+        """What the operator API needs on top of check(): an issuer and audience to verify tokens with, a key to
+        sign with, a policy to decide with (each missing one named), and TLS unless it listens on loopback alone."""
+        self.check()
+        needed = ("oidc_issuer", "oidc_audience", "api_signing_key_path", "api_policy_path")
+        missing = [name for name in needed if not getattr(self, name)]
+        if missing:
+            raise SettingsError(
+                missing[0], f"the operator API needs {', '.join(missing)}: tokens, proofs and decisions rest on them"
+            )
+        for name in ("api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise SettingsError(name, f"{path} is not a readable file")
+        host, _ = check_listen_address("api_listen", self.api_listen)
+        if self.api_tls_certificate_path is None and not _is_loopback(host):
+            raise SettingsError(
+                "api_listen",
+                f"plain http is served on a loopback address only, got {self.api_listen!r}: set "
+                "api_tls_certificate_path and api_tls_key_path, or listen on 127.0.0.1",
+            )
         return self
 
     def _check_bmc_password_env_prefix(self) -> None:

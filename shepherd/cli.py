@@ -21,6 +21,8 @@ from foundation.logs import configure_logging
 from foundation.setting_values import SettingsError
 from foundation.startup import StartupError
 from shepherd.commands import (
+    api,
+    api_key,
     config,
     decommission,
     dev,
@@ -51,6 +53,7 @@ COMMANDS = (
     worker,
     migrate,
     heartbeat_server,
+    api,
     recover,
     restart_agent,
     release,
@@ -65,6 +68,7 @@ COMMANDS = (
     config,
     login,
     ssh_key,
+    api_key,
     inventory,
     provider,
     sim,
