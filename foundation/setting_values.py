@@ -81,12 +81,13 @@ def https_url_problem(url: str) -> str | None:
         return f"is not a URL: {url!r}"
     if parts.scheme not in ("https", "http") or not host:
         return f"must be an https:// URL, got {url!r}"
-    if parts.scheme == "http" and not _is_loopback(host):
+    if parts.scheme == "http" and not is_loopback(host):
         return f"must be an https:// URL (http:// only to a loopback address), got {url!r}"
     return None
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address is this host's loopback alone."""
     if host == "localhost":
         return True
     try:

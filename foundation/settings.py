@@ -10,7 +10,6 @@ foundation.settings_report, the text forms they take foundation.setting_values.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 import re
 from collections.abc import Mapping
@@ -18,36 +17,27 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from foundation.operator_proof import OperatorTrust, TrustedKeys
+from foundation.operator_proof import OperatorTrust
+from foundation.operator_settings import (
+    UNVERIFIED_OPERATOR_ACTIONS,
+    check_api_settings,
+    check_login_settings,
+    check_operator_settings,
+    operator_trust,
+)
 from foundation.provider_instances import INSTANCE_NAME, ProviderInstance
-from foundation.setting_values import SettingsError, check_listen_address, https_url_problem, parse_endpoint
+from foundation.setting_values import SettingsError, check_listen_address, parse_endpoint
 from foundation.settings_sources import read_sources
 
 # A provider plugin's factory imports ProviderInstance and SettingsError from here (docs/providers.md), so they
 # stay importable from this module too.
-__all__ = ["LOG_FORMATS", "ProviderInstance", "Settings", "SettingsError"]
+__all__ = ["LOG_FORMATS", "UNVERIFIED_OPERATOR_ACTIONS", "ProviderInstance", "Settings", "SettingsError"]
 
 LOG_FORMATS = ("text", "json")
-# What each unverified_operator_actions refuses without the operator API's proof: the updates that retire a
-# machine or let a quarantined one be rebooted again. A signal (force_recover) cannot be refused before it acts.
-UNVERIFIED_OPERATOR_ACTIONS = {
-    "accept": frozenset[str](),
-    "refuse_destructive": frozenset({"decommission", "release"}),
-}
 # Where the deploy files and docs put BMC password files.
 DEFAULT_BMC_SECRETS_DIR = Path("/etc/shepherd/bmc")
 # Variables a BMC password prefix must never reach: Shepherd's settings and the Temporal client's configuration.
 _OWN_VARIABLE_PREFIXES = ("SHEPHERD_", "TEMPORAL_")
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether a listen address is this host's loopback alone: bearer tokens in plain http go nowhere else."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _duration(default: float, doc: str) -> Any:
@@ -318,79 +308,24 @@ class Settings:
             url = getattr(self, name)
             if url is not None and not url.startswith(("postgresql://", "postgresql+")):
                 raise SettingsError(name, "must be a postgresql:// URL")
-        if self.oidc_issuer:
-            self._check_oidc()
-        if self.api_policy_path is not None and not self.api_policy_path.is_file():
-            raise SettingsError("api_policy_path", f"{self.api_policy_path} is not a readable file")
-        check_listen_address("api_listen", self.api_listen)
-        if (self.api_tls_certificate_path is None) != (self.api_tls_key_path is None):
-            given, missing = (
-                ("api_tls_certificate_path", "api_tls_key_path")
-                if self.api_tls_key_path is None
-                else ("api_tls_key_path", "api_tls_certificate_path")
-            )
-            raise SettingsError(missing, f"must be set with {given}: a certificate is served with its key")
-        self.operator_trust()
+        check_operator_settings(self)
         return self
 
     def operator_trust(self) -> OperatorTrust:
         """What this worker's machine workflows trust of operator requests; SettingsError naming a bad setting."""
-        try:
-            keys = TrustedKeys.parse(self.api_trusted_keys)
-        except ValueError as error:
-            raise SettingsError("api_trusted_keys", str(error)) from None
-        policy = self.unverified_operator_actions
-        if policy not in UNVERIFIED_OPERATOR_ACTIONS:
-            known = ", ".join(UNVERIFIED_OPERATOR_ACTIONS)
-            raise SettingsError("unverified_operator_actions", f"must be one of {known}, got {policy!r}")
-        refused = UNVERIFIED_OPERATOR_ACTIONS[policy]
-        if refused and not keys.keys:
-            raise SettingsError(
-                "unverified_operator_actions",
-                f"{policy} needs api_trusted_keys: without the operator API's keys no request could be verified",
-            )
-        return OperatorTrust(keys, refused)
-
-    def _check_oidc(self) -> None:
-        # The issuer's URL is where its signing keys come from: whoever can answer there can sign as any operator.
-        problem = https_url_problem(self.oidc_issuer)
-        if problem is None and ("?" in self.oidc_issuer or "#" in self.oidc_issuer):
-            problem = f"must have no query or fragment, got {self.oidc_issuer!r}"
-        if problem is not None:
-            raise SettingsError("oidc_issuer", problem)
-        if not self.oidc_audience:
-            raise SettingsError("oidc_audience", "must be set with oidc_issuer: the audience access tokens must name")
+        return operator_trust(self)
 
     def check_login(self) -> Settings:
         """What `shepherd login` needs on top of check(): an issuer, the API's audience and the client id."""
         self.check()
-        if not self.oidc_issuer:
-            raise SettingsError("oidc_issuer", "must be set to the issuer URL of the OIDC provider to log in at")
-        if not self.oidc_client_id:
-            raise SettingsError("oidc_client_id", "must be set to the client id of `shepherd login` at the issuer")
+        check_login_settings(self)
         return self
 
     def check_api(self) -> Settings:
         """What the operator API needs on top of check(): an issuer and audience to verify tokens with, a key to
         sign with, a policy to decide with (each missing one named), and TLS unless it listens on loopback alone."""
         self.check()
-        needed = ("oidc_issuer", "oidc_audience", "api_signing_key_path", "api_policy_path")
-        missing = [name for name in needed if not getattr(self, name)]
-        if missing:
-            raise SettingsError(
-                missing[0], f"the operator API needs {', '.join(missing)}: tokens, proofs and decisions rest on them"
-            )
-        for name in ("api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path"):
-            path = getattr(self, name)
-            if path is not None and not path.is_file():
-                raise SettingsError(name, f"{path} is not a readable file")
-        host, _ = check_listen_address("api_listen", self.api_listen)
-        if self.api_tls_certificate_path is None and not _is_loopback(host):
-            raise SettingsError(
-                "api_listen",
-                f"plain http is served on a loopback address only, got {self.api_listen!r}: set "
-                "api_tls_certificate_path and api_tls_key_path, or listen on 127.0.0.1",
-            )
+        check_api_settings(self)
         return self
 
     def _check_bmc_password_env_prefix(self) -> None:

@@ -1,0 +1,120 @@
+"""The checks of the settings that concern operators: the OIDC issuer, the operator API's keys, listen address,
+TLS and policy, and what the workers trust of requests the API signs. foundation.settings calls them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from foundation.operator_proof import OperatorTrust, TrustedKeys
+from foundation.setting_values import SettingsError, check_listen_address, https_url_problem, is_loopback
+
+# What each unverified_operator_actions refuses without the operator API's proof: the updates that retire a
+# machine or let a quarantined one be rebooted again. A signal (force_recover) cannot be refused before it acts.
+UNVERIFIED_OPERATOR_ACTIONS = {
+    "accept": frozenset[str](),
+    "refuse_destructive": frozenset({"decommission", "release"}),
+}
+
+
+class OperatorSettings(Protocol):
+    """The settings these checks read (foundation.settings.Settings has them all)."""
+
+    @property
+    def oidc_issuer(self) -> str: ...
+    @property
+    def oidc_audience(self) -> str: ...
+    @property
+    def oidc_client_id(self) -> str: ...
+    @property
+    def api_listen(self) -> str: ...
+    @property
+    def api_policy_path(self) -> Path | None: ...
+    @property
+    def api_signing_key_path(self) -> Path | None: ...
+    @property
+    def api_tls_certificate_path(self) -> Path | None: ...
+    @property
+    def api_tls_key_path(self) -> Path | None: ...
+    @property
+    def api_trusted_keys(self) -> str: ...
+    @property
+    def unverified_operator_actions(self) -> str: ...
+
+
+def check_operator_settings(settings: OperatorSettings) -> None:
+    """The operator settings' part of Settings.check(): SettingsError naming the first bad one."""
+    if settings.oidc_issuer:
+        _check_oidc(settings)
+    if settings.api_policy_path is not None and not settings.api_policy_path.is_file():
+        raise SettingsError("api_policy_path", f"{settings.api_policy_path} is not a readable file")
+    check_listen_address("api_listen", settings.api_listen)
+    if (settings.api_tls_certificate_path is None) != (settings.api_tls_key_path is None):
+        given, missing = (
+            ("api_tls_certificate_path", "api_tls_key_path")
+            if settings.api_tls_key_path is None
+            else ("api_tls_key_path", "api_tls_certificate_path")
+        )
+        raise SettingsError(missing, f"must be set with {given}: a certificate is served with its key")
+    operator_trust(settings)
+
+
+def operator_trust(settings: OperatorSettings) -> OperatorTrust:
+    """What a worker's machine workflows trust of operator requests; SettingsError naming a bad setting."""
+    try:
+        keys = TrustedKeys.parse(settings.api_trusted_keys)
+    except ValueError as error:
+        raise SettingsError("api_trusted_keys", str(error)) from None
+    policy = settings.unverified_operator_actions
+    if policy not in UNVERIFIED_OPERATOR_ACTIONS:
+        known = ", ".join(UNVERIFIED_OPERATOR_ACTIONS)
+        raise SettingsError("unverified_operator_actions", f"must be one of {known}, got {policy!r}")
+    refused = UNVERIFIED_OPERATOR_ACTIONS[policy]
+    if refused and not keys.keys:
+        raise SettingsError(
+            "unverified_operator_actions",
+            f"{policy} needs api_trusted_keys: without the operator API's keys no request could be verified",
+        )
+    return OperatorTrust(keys, refused)
+
+
+def _check_oidc(settings: OperatorSettings) -> None:
+    # The issuer's URL is where its signing keys come from: whoever can answer there can sign as any operator.
+    issuer = settings.oidc_issuer
+    problem = https_url_problem(issuer)
+    if problem is None and ("?" in issuer or "#" in issuer):
+        problem = f"must have no query or fragment, got {issuer!r}"
+    if problem is not None:
+        raise SettingsError("oidc_issuer", problem)
+    if not settings.oidc_audience:
+        raise SettingsError("oidc_audience", "must be set with oidc_issuer: the audience access tokens must name")
+
+
+def check_login_settings(settings: OperatorSettings) -> None:
+    """What `shepherd login` needs beyond Settings.check(): an issuer and the client id."""
+    if not settings.oidc_issuer:
+        raise SettingsError("oidc_issuer", "must be set to the issuer URL of the OIDC provider to log in at")
+    if not settings.oidc_client_id:
+        raise SettingsError("oidc_client_id", "must be set to the client id of `shepherd login` at the issuer")
+
+
+def check_api_settings(settings: OperatorSettings) -> None:
+    """What the operator API needs beyond Settings.check(): each missing setting named, the files there, and TLS
+    unless it listens on loopback alone (bearer tokens in plain http go nowhere else)."""
+    needed = ("oidc_issuer", "oidc_audience", "api_signing_key_path", "api_policy_path")
+    missing = [name for name in needed if not getattr(settings, name)]
+    if missing:
+        raise SettingsError(
+            missing[0], f"the operator API needs {', '.join(missing)}: tokens, proofs and decisions rest on them"
+        )
+    for name in ("api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path"):
+        path = getattr(settings, name)
+        if path is not None and not path.is_file():
+            raise SettingsError(name, f"{path} is not a readable file")
+    host, _ = check_listen_address("api_listen", settings.api_listen)
+    if settings.api_tls_certificate_path is None and not is_loopback(host):
+        raise SettingsError(
+            "api_listen",
+            f"plain http is served on a loopback address only, got {settings.api_listen!r}: set "
+            "api_tls_certificate_path and api_tls_key_path, or listen on 127.0.0.1",
+        )
