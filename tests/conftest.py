@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -196,10 +199,44 @@ def shepherd_cli(monkeypatch, capsys):
 FIXED_PORT_MODULES = {"test_cli", "test_ironic_machines", "test_static_machines", "test_doctor", "test_observability"}
 
 
+# The embedded stack's fixed ports, and how long a test of those modules waits for the stack before it to let go of
+# them (its processes are stopped, but a port is free only once the kernel has closed the socket).
+DEV_PORTS = (7233, 8233, 8800, 8900)
+DEV_PORTS_WAIT = 60.0
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+@pytest.fixture(autouse=True)
+def dev_ports_free(request: pytest.FixtureRequest) -> None:
+    """Before a test of a module that starts `shepherd dev`: its ports free, or a failure naming who holds them."""
+    if _module_of(request.node) not in FIXED_PORT_MODULES:
+        return
+    deadline = time.monotonic() + DEV_PORTS_WAIT
+    while taken := [port for port in DEV_PORTS if _taken(port)]:
+        if time.monotonic() > deadline:
+            listening = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True, check=False).stdout
+            holders = [line for line in listening.splitlines() if any(f":{port} " in line for port in taken)]
+            raise AssertionError(f"ports {taken} of `shepherd dev` are still taken: {holders}")
+        time.sleep(0.2)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Group the tests for pytest-xdist's --dist loadgroup: a module's tests stay in one process, so its module
     fixtures (an Ironic, a fleet stack) start once; the modules of FIXED_PORT_MODULES share one process."""
     for item in items:
-        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+        module = _module_of(item)
         group = "fixed-ports" if module in FIXED_PORT_MODULES else module
         item.add_marker(pytest.mark.xdist_group(group))

@@ -165,14 +165,20 @@ class Ironic:
             if time.monotonic() > deadline:
                 raise AssertionError(f"node {node_id} never waited for its inspection: {self.node(node_id)}")
             time.sleep(0.1)
-        answer = requests.post(
-            f"{self.url}/v1/continue_inspection",
-            params={"node_uuid": node_id},
-            json={"inventory": inventory},
-            headers={"X-OpenStack-Ironic-API-Version": "1.84"},
-            auth=self.auth,
-            timeout=30,
-        )
+        while True:
+            answer = requests.post(
+                f"{self.url}/v1/continue_inspection",
+                params={"node_uuid": node_id},
+                json={"inventory": inventory},
+                headers={"X-OpenStack-Ironic-API-Version": "1.84"},
+                auth=self.auth,
+                timeout=30,
+            )
+            # The conductor may still hold the node's lock from entering inspect wait: Ironic asks to retry, as the
+            # ramdisk's agent does.
+            if answer.status_code != 409 or "is locked" not in answer.text or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         if answer.status_code != 202:
             raise AssertionError(f"continue_inspection: HTTP {answer.status_code}: {answer.text[:300]}")
         while (node := self.node(node_id))["provision_state"] in ("inspect wait", "inspecting"):
