@@ -133,8 +133,19 @@ def _unreadable(value: object) -> str:
     return f"unreadable reason {str(value)[:100]!r}"
 
 
+class _Asked:
+    """What an operator's update says of who asked: a name, and the operator API's proof when the API vouches."""
+
+    by: str
+    proof: Signature | None
+
+    def credited(self) -> str:
+        """Who asked, marked verified when the API's proof came with it (the update's validator checked it)."""
+        return credited(self.by, self.proof.via if self.proof is not None else None)
+
+
 @dataclass(frozen=True)
-class OperatorRequest:
+class OperatorRequest(_Asked):
     """The argument of release, decommission, restart_agent and retry_now: ``{"reason": ..., "by": ...}``, and the
     operator API's ``"proof"`` when it comes through the API."""
 
@@ -145,10 +156,6 @@ class OperatorRequest:
     def signed(self) -> dict[str, object]:
         """What of the request the API's proof signs besides who asked."""
         return {"reason": self.reason}
-
-    def credited(self) -> str:
-        """Who asked, marked verified when the API's proof came with it (the update's validator checked it)."""
-        return credited(self.by, self.proof.via if self.proof is not None else None)
 
     def require_reason(self, why: str) -> None:
         """ValueError, asking why, when the request gives no reason."""
@@ -164,7 +171,7 @@ class OperatorRequest:
 
 
 @dataclass(frozen=True)
-class MaintenanceRequest:
+class MaintenanceRequest(_Asked):
     """set_maintenance's argument: ``{"on": true, "reason": ..., "by": ...}`` begins a maintenance,
     ``{"on": false, "recover": false}`` ends it, with a reboot when recover is true."""
 
@@ -178,10 +185,6 @@ class MaintenanceRequest:
     def signed(self) -> dict[str, object]:
         """What of the request the API's proof signs besides who asked."""
         return {"on": self.on, "reason": self.reason, "recover": self.recover}
-
-    def credited(self) -> str:
-        """Who asked, marked verified when the API's proof came with it (the update's validator checked it)."""
-        return credited(self.by, self.proof.via if self.proof is not None else None)
 
     def check(self) -> "MaintenanceRequest":
         """The request as it is carried out (an end's reason filled in); ValueError naming what is wrong."""
