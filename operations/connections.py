@@ -30,6 +30,7 @@ class Connections:
         *,
         temporal: Client | None = None,
         database_url: str | None = None,
+        bmdb: BMDB | None = None,
         attestation: Attestation | None = None,
     ) -> None:
         self.settings = settings
@@ -37,7 +38,10 @@ class Connections:
         self.attestation = attestation
         self._temporal = temporal
         self._database_url = database_url
-        self._bmdb: BMDB | None = None
+        # A BMDB already open is the caller's to close (the API shares one across its requests); one this client
+        # opens is its own.
+        self._bmdb = bmdb
+        self._owns_bmdb = bmdb is None
         self._closing = ExitStack()
 
     def credited(self, by: str) -> str:
@@ -61,9 +65,10 @@ class Connections:
         return self._bmdb
 
     async def close(self) -> None:
-        """Close BMDB and stop a local PostgreSQL this client started; the Temporal client needs no closing."""
+        """Close the BMDB this client opened and stop a local PostgreSQL it started; the Temporal client needs no
+        closing."""
         try:
-            if self._bmdb is not None:
+            if self._bmdb is not None and self._owns_bmdb:
                 await self._bmdb.close()
                 self._bmdb = None
         finally:

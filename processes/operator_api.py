@@ -203,8 +203,9 @@ class OperatorApi:
             asked = OperatorRequest(body["reason"], identity.subject)
         attestation = Attestation(identity.subject, identity.verified_by, self.signer)
         workflow_id = machine_workflow_id(record.provider, record.provider_id)
+        # A client of this operator's own, sharing the API's connections: BMDB is not opened again per request.
         async with OperatorClient(
-            self.settings, temporal=self.temporal, database_url=self.database_url, attestation=attestation
+            self.settings, temporal=self.temporal, bmdb=await self.reads.bmdb(), attestation=attestation
         ) as operators:
             try:
                 answer = await operators.ask(workflow_id, route.update, asked, then="ask again once it runs")
