@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from bmdb.local_postgres import LocalPostgres
 from bmdb.store import BMDB
 from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import SEARCH_ATTRIBUTES
+from shepherd.commands.dev_stack.children import DevError, check_port_free
 
 BIN = Path(sys.executable).parent
 TEMPLATE_DB = "bmdb_template"
@@ -210,12 +210,11 @@ def _module_of(item: pytest.Item) -> str:
 
 
 def _taken(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return True
+    """Whether `shepherd dev` would find the port taken, asked by its own check."""
+    try:
+        check_port_free(port, "a port of the embedded stack")
+    except DevError:
+        return True
     return False
 
 
