@@ -179,9 +179,7 @@ class SSHSession:
         with self._failures():
             process: asyncssh.SSHClientProcess[bytes] = await self._opened().create_process(command, encoding=None)
             try:
-                process.stdin.write(stdin)
-                # Closing stdin tells the command the whole input has arrived.
-                process.stdin.write_eof()
+                self._send_input(process, stdin)
                 readers = asyncio.gather(
                     self._read_at_most(process.stdout, stdout_limit), _read_tail(process.stderr, STDERR_KEPT)
                 )
@@ -211,6 +209,22 @@ class SSHSession:
                 raise
             finally:
                 process.close()
+
+    def _send_input(self, process: asyncssh.SSHClientProcess[bytes], stdin: bytes) -> None:
+        """Send the command its input, then end of input; nothing when the command has already ended.
+
+        A command that ends at once (a login shell that runs nothing) may have closed its channel before its input
+        is sent, more often the busier this host is, and asyncssh then refuses any write, even of nothing, with
+        BrokenPipeError ("Channel not open for sending"). That is no broken session: what the command wrote and
+        how it exited are still there to be read, and say what happened. Only a lost connection is one.
+        """
+        try:
+            process.stdin.write(stdin)
+            # Closing stdin tells the command the whole input has arrived.
+            process.stdin.write_eof()
+        except BrokenPipeError:
+            if self._opened().is_closed():
+                raise
 
     async def upload(self, path: str, data: bytes, *, doing: str) -> None:
         """Write data to path as an executable file beside it, then rename it over: nobody sees half a file."""

@@ -23,6 +23,8 @@ from sqlalchemy.engine import make_url
 from temporalio.client import Client
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
+from xdist.remote import Producer
+from xdist.scheduler import LoadGroupScheduling
 
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
@@ -195,13 +197,21 @@ def shepherd_cli(monkeypatch, capsys):
 
 
 # Modules whose tests start `shepherd dev`, whose embedded stack listens on its fixed ports (Temporal 7233 and
-# 8233, the simulator 8800, heartbeats 8900): with the suite spread over processes, one process runs them all.
-FIXED_PORT_MODULES = {"test_cli", "test_ironic_machines", "test_static_machines", "test_doctor", "test_observability"}
+# 8233, the simulator 8800, heartbeats 8900, the operator API 8443): with the suite spread over processes, one
+# process runs them all.
+FIXED_PORT_MODULES = {
+    "test_cli",
+    "test_dev_stop",
+    "test_ironic_machines",
+    "test_static_machines",
+    "test_doctor",
+    "test_observability",
+}
 
 
 # The embedded stack's fixed ports, and how long a test of those modules waits for the stack before it to let go of
 # them (its processes are stopped, but a port is free only once the kernel has closed the socket).
-DEV_PORTS = (7233, 8233, 8800, 8900)
+DEV_PORTS = (7233, 8233, 8800, 8900, 8443)
 DEV_PORTS_WAIT = 60.0
 
 
@@ -232,10 +242,30 @@ def dev_ports_free(request: pytest.FixtureRequest) -> None:
         time.sleep(0.2)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group the tests for pytest-xdist's --dist loadgroup: a module's tests stay in one process, so its module
-    fixtures (an Ironic, a fleet stack) start once; the modules of FIXED_PORT_MODULES share one process."""
-    for item in items:
-        module = _module_of(item)
-        group = "fixed-ports" if module in FIXED_PORT_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
+def _group_of(nodeid: str) -> str:
+    """The process group of a test: its module's, or one for all the modules of FIXED_PORT_MODULES."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return "fixed-ports" if module in FIXED_PORT_MODULES else module
+
+
+class ModuleGroupScheduling(LoadGroupScheduling):
+    """pytest-xdist's --dist loadgroup, each test in the group _group_of names: a module's tests stay in one
+    process, so its module fixtures (an Ironic, a fleet stack) start once, and the modules of FIXED_PORT_MODULES
+    share one process.
+
+    pytest-xdist's own loadgroup reads a test's group from a suffix that its hook adds to the test's node id, and
+    pytest 9.2 no longer lets a plugin change a node id (pytest-xdist issue 1386): with xdist_group marks alone,
+    every test would be spread on its own, the modules of FIXED_PORT_MODULES at the same time, all on the same
+    ports. The group comes from the node id instead.
+    """
+
+    def _split_scope(self, nodeid: str) -> str:
+        return _group_of(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadGroupScheduling | None:
+    """The scheduler of --dist loadgroup; pytest-xdist's own for the other modes."""
+    if config.getvalue("dist") == "loadgroup":
+        return ModuleGroupScheduling(config, log)
+    return None

@@ -41,3 +41,26 @@ def process_trees(pids: list[int]) -> int:
     """How many programs the pids are: a one-file agent runs as a bootloader and its interpreter, one program."""
     members = set(pids)
     return sum(1 for pid in members if parent_pid(pid) not in members)
+
+
+def running(pid: int) -> bool:
+    """Whether pid runs: not gone, and no zombie waiting for a parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def living_children(pid: int) -> dict[int, str]:
+    """The running children of pid, each with its command line."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or parent_pid(int(entry.name)) != pid or not running(int(entry.name)):
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        children[int(entry.name)] = command.replace(b"\0", b" ").decode(errors="replace")
+    return children

@@ -7,6 +7,7 @@ and the clients, one client certificate it accepts, one expired, one from anothe
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import secrets
 import shutil
@@ -64,9 +65,17 @@ def make_certificates(directory: Path) -> ProxyCertificates:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """count different free ports of 127.0.0.1: each stays bound until all are chosen, since a port let go of may
+    be the next one the kernel hands out."""
+    with contextlib.ExitStack() as bound:
+        sockets = [bound.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 class TemporalProxy:
@@ -81,7 +90,7 @@ class TemporalProxy:
     def __init__(self, directory: Path, upstream: str, certificates: ProxyCertificates) -> None:
         self.directory = directory
         self.api_key = secrets.token_urlsafe(24)
-        self.port, api_key_port, api_key_http_port = free_port(), free_port(), free_port()
+        self.port, api_key_port, api_key_http_port = free_ports(3)
         self.address = f"127.0.0.1:{self.port}"
         self.api_key_address = f"127.0.0.1:{api_key_port}"
         self.api_key_http_address = f"127.0.0.1:{api_key_http_port}"

@@ -198,19 +198,16 @@ async def test_a_machine_that_answers_the_probe_with_garbage_gets_no_upload(clea
     # A shell that runs no command and answers with 200 kB of binary and a terminal escape.
     with login_shell(clean_machine, "head -c 200000 /bin/busybox; printf 'shepherd-probe:arch=\\033[2J'"):
         error = await refused(clean_machine, takeover(reference_agent))
-    # Now and then, with the test machine busy, asyncssh ends the connection with "Channel not open for sending"
-    # while the flood arrives, before 64 KiB are read: a broken session, retried, and nothing uploaded either way.
-    flooded = "the machine's answer to the probe wrote more than 65536 bytes"
-    broken = "SSH failed while probing the machine: Channel not open for sending"
-    if error.failure is TakeoverFailure.SSH_ERROR:
-        assert str(error).endswith(broken), error
-    else:
-        assert error.failure is TakeoverFailure.BAD_PROBE and flooded in str(error), error
+    assert error.failure is TakeoverFailure.BAD_PROBE, error
+    assert "the machine's answer to the probe wrote more than 65536 bytes" in str(error)
     assert nothing_uploaded(clean_machine)
+    # A shell that ends at once may close the session's channel before the probe's (empty) input is sent: the
+    # answer is still what it wrote. Several tries, since that order shows only now and then, on a busy host.
     with login_shell(clean_machine, "printf 'shepherd-probe:kernel=Linux\\nshepherd-probe:arch=\\033[2J\\n'"):
-        error = await refused(clean_machine, takeover(reference_agent))
-    assert error.failure is TakeoverFailure.BAD_PROBE
-    assert "which is no architecture" in str(error) and len(str(error)) < 1000 and str(error).isprintable()
+        for _ in range(8):
+            error = await refused(clean_machine, takeover(reference_agent))
+            assert error.failure is TakeoverFailure.BAD_PROBE, error
+            assert "which is no architecture" in str(error) and len(str(error)) < 1000 and str(error).isprintable()
     assert nothing_uploaded(clean_machine)
 
 

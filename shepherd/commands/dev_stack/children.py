@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -86,8 +88,33 @@ def check_port_free(port: int, what: str) -> None:
             raise DevError(f"port {port} ({what}) is in use: is another `shepherd dev` running?") from None
 
 
+# prctl(2)'s PR_SET_PDEATHSIG, resolved before any fork: the forked child only calls it.
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _ends_with_parent(parent: int) -> Callable[[], None] | None:
+    """What a child runs before its program: SIGTERM for it once ``shepherd dev`` is gone (Linux).
+
+    The children have sessions of their own, and a ``shepherd dev`` that was SIGKILLed (by ``kill -9``, the OOM
+    killer, a supervisor's last resort) stops none of them: without this its whole stack runs on, holding the
+    stack's fixed ports. SIGTERM rather than SIGKILL so that each still shuts down cleanly.
+    """
+    if _prctl is None:
+        return None
+    prctl = _prctl
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        # The parent died between the fork and the prctl: no signal comes for that.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return in_child
+
+
 class Child:
-    """A child process with its output in a log file."""
+    """A child process with its output in a log file, stopped with the stack even when the stack is killed."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -101,6 +128,7 @@ class Child:
             env={**embedded_environment(os.environ), **(env or {})},
             # Own session: a Ctrl-C reaches only us, and we stop children in order.
             start_new_session=True,
+            preexec_fn=_ends_with_parent(os.getpid()),
         )
 
     def check_alive(self) -> None:
