@@ -135,12 +135,16 @@ def running_machines_of(provider: str) -> str:
 # The signals, updates and query of a machine's workflow; lifecycle.messages has the arguments they take.
 HEARTBEAT_LOST_SIGNAL = "heartbeat_lost"
 FORCE_RECOVER_SIGNAL = "force_recover"
+# force_recover as an update: its validator checks the operator API's proof, so the recovery is recorded verified.
+RECOVER_UPDATE = "recover"
 RELEASE_UPDATE = "release"
 SET_MAINTENANCE_UPDATE = "set_maintenance"
 DECOMMISSION_UPDATE = "decommission"
 # A new agent on a healthy machine without a reboot: an agent upgrade, a CA rotation.
 RESTART_AGENT_UPDATE = "restart_agent"
 RETRY_NOW_SIGNAL = "retry_now"
+# retry_now as an update: the proof checked, and the caller told when no step is failing.
+RETRY_UPDATE = "retry"
 STATUS_QUERY = "status"
 
 __all__ = [
@@ -154,9 +158,11 @@ __all__ = [
     "MACHINE_WORKFLOW_TYPE",
     "PROVIDER",
     "PROVIDER_ID",
+    "RECOVER_UPDATE",
     "RELEASE_UPDATE",
     "RESTART_AGENT_UPDATE",
     "RETRY_NOW_SIGNAL",
+    "RETRY_UPDATE",
     "RUNNING_MACHINES",
     "SEARCH_ATTRIBUTES",
     "SET_MAINTENANCE_UPDATE",

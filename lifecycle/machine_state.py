@@ -77,7 +77,8 @@ class OperatorAction:
     """One operator's request to a machine's workflow, as its status shows it: when, what, who and why."""
 
     at: str
-    # The signal or update: force_recover, retry_now, release, set_maintenance, decommission, restart_agent.
+    # The signal or update: force_recover, recover, retry_now, retry, release, set_maintenance, decommission,
+    # restart_agent.
     action: str
     by: str
     reason: str

@@ -79,60 +79,6 @@ class RecoveryKind(enum.StrEnum):
     MAINTENANCE_OVER = "maintenance_over"
 
 
-@dataclass(frozen=True)
-class RecoveryRequest:
-    """A recovery asked for: force_recover's argument (``{"reason": "disk errors", "by": "alice"}``), and the
-    recovery a machine's status keeps until it begins."""
-
-    reason: str = "no reason given"
-    by: str = "unknown"
-    kind: RecoveryKind = RecoveryKind.FORCED
-    # A fresh OS through the provider instead of a reboot (``shepherd reimage``, ``{"reimage": true}``).
-    reimage: bool = False
-
-    @property
-    def by_an_operator(self) -> bool:
-        """Whether an operator asked for it, so the recovery budget does not count it."""
-        return self.kind is not RecoveryKind.HEARTBEAT_LOST
-
-    def describe(self) -> str:
-        """The recovery in one line, as the status, the event log and the reboot's cause say it."""
-        if self.kind is RecoveryKind.HEARTBEAT_LOST:
-            return f"heartbeat lost: {self.reason}"
-        if self.kind is RecoveryKind.MAINTENANCE_OVER:
-            return f"forced: maintenance over, reboot asked by {self.by}: {self.reason}"
-        what = "forced reimage" if self.reimage else "forced"
-        return f"{what}: {self.reason}" + ("" if self.by == "unknown" else f" (by {self.by})")
-
-    @classmethod
-    def from_wire(cls, value: object) -> "RecoveryRequest":
-        """From any JSON: a malformed force_recover still means "recover", so nothing here refuses.
-
-        A string is an operator's bare reason, or the line a status kept before recoveries had a kind.
-        """
-        if value is None:
-            return cls()
-        if isinstance(value, dict):
-            kind = value.get("kind")
-            return cls(
-                reason=_text(value.get("reason"), 1000) or _unreadable(value),
-                by=_operator(value.get("by")),
-                kind=RecoveryKind(kind) if kind in tuple(RecoveryKind) else RecoveryKind.FORCED,
-                reimage=value.get("reimage") is True,
-            )
-        if isinstance(value, str):
-            for kind, prefix in ((RecoveryKind.HEARTBEAT_LOST, "heartbeat lost: "), (RecoveryKind.FORCED, "forced: ")):
-                if value.startswith(prefix):
-                    return cls(reason=value[len(prefix) :], kind=kind)
-            return cls(reason=_text(value, 1000) or "no reason given")
-        return cls(reason=_unreadable(value))
-
-
-def _unreadable(value: object) -> str:
-    """The reason of a recovery asked with a value that is no reason, showing the start of what came."""
-    return f"unreadable reason {str(value)[:100]!r}"
-
-
 class _Asked:
     """What an operator's update says of who asked: a name, and the operator API's proof when the API vouches."""
 
@@ -142,6 +88,96 @@ class _Asked:
     def credited(self) -> str:
         """Who asked, marked verified when the API's proof came with it (the update's validator checked it)."""
         return credited(self.by, self.proof.via if self.proof is not None else None)
+
+
+@dataclass(frozen=True)
+class RecoveryRequest(_Asked):
+    """A recovery asked for: force_recover's and recover's argument (``{"reason": "disk errors", "by": "alice"}``,
+    and the operator API's ``"proof"`` when it comes through the API), and the recovery a machine's status keeps
+    until it begins."""
+
+    reason: str = "no reason given"
+    by: str = "unknown"
+    kind: RecoveryKind = RecoveryKind.FORCED
+    # A fresh OS through the provider instead of a reboot (``shepherd reimage``, ``{"reimage": true}``).
+    reimage: bool = False
+    proof: Signature | None = None
+
+    @property
+    def by_an_operator(self) -> bool:
+        """Whether an operator asked for it, so the recovery budget does not count it."""
+        return self.kind is not RecoveryKind.HEARTBEAT_LOST
+
+    def signed(self) -> dict[str, object]:
+        """What of the request the API's proof signs besides who asked (the kind is the update's to say)."""
+        return {"reason": self.reason, "reimage": self.reimage}
+
+    def require_reason(self) -> None:
+        """ValueError, asking why, when the request gives no reason."""
+        if not self.reason:
+            raise ValueError('say why the machine is recovered: {"reason": "...", "by": "..."}')
+
+    def describe(self) -> str:
+        """The recovery in one line, as the status, the event log and the reboot's cause say it."""
+        if self.kind is RecoveryKind.HEARTBEAT_LOST:
+            return f"heartbeat lost: {self.reason}"
+        if self.kind is RecoveryKind.MAINTENANCE_OVER:
+            return f"forced: maintenance over, reboot asked by {self.by}: {self.reason}"
+        what = "forced reimage" if self.reimage else "forced"
+        # Marked only when the API vouches: an unverified request reads as it always did.
+        by = self.credited() if self.proof is not None else self.by
+        return f"{what}: {self.reason}" + ("" if self.by == "unknown" else f" (by {by})")
+
+    def answer(self, workflow_id: str, stage: str) -> str:
+        """What the operator is told of this forced recovery asked of a machine in stage, as one line naming its
+        workflow: the recover update's answer, and what `shepherd recover` prints after the signal."""
+        what, act = ("reimage", "reimages") if self.reimage else ("recovery", "reboots")
+        if stage == "QUARANTINED":
+            return f"{workflow_id}: was QUARANTINED; the forced {what} releases it ({self.reason}) and {act} it"
+        if stage in ("RECOVERING", "REIMAGING"):
+            return f"{workflow_id} is already {stage}; the request is recorded with the one under way"
+        if stage in ("PROVISIONING", "AGENT_STARTING"):
+            return f"{workflow_id}: {what} requested ({self.reason}); it is {stage}, the {what} follows the takeover"
+        suffix = "; a provider that cannot reimage reboots it instead" if self.reimage else ""
+        return f"{workflow_id}: {what} requested ({self.reason}); it was {stage}{suffix}"
+
+    @classmethod
+    def from_wire(cls, value: object) -> "RecoveryRequest":
+        """From any JSON: a malformed request still means "recover", so nothing here refuses; a JSON object without
+        a reason has none (the recover update's validator refuses it, force_recover reads it with from_signal).
+
+        A string is an operator's bare reason, or the line a status kept before recoveries had a kind.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            kind = value.get("kind")
+            return cls(
+                reason=_text(value.get("reason"), 1000),
+                by=_operator(value.get("by")),
+                kind=RecoveryKind(kind) if kind in tuple(RecoveryKind) else RecoveryKind.FORCED,
+                reimage=value.get("reimage") is True,
+                proof=_proof(value.get("proof")),
+            )
+        if isinstance(value, str):
+            for kind, prefix in ((RecoveryKind.HEARTBEAT_LOST, "heartbeat lost: "), (RecoveryKind.FORCED, "forced: ")):
+                if value.startswith(prefix):
+                    return cls(reason=value[len(prefix) :], kind=kind)
+            return cls(reason=_text(value, 1000) or "no reason given")
+        return cls(reason=_unreadable(value))
+
+    @classmethod
+    def from_signal(cls, value: object) -> "RecoveryRequest":
+        """force_recover's argument, from any JSON: as from_wire, a reason made of what came when it gives none
+        (the signal recovers whatever it says), and no proof, since a signal has no validator to check one in."""
+        request = cls.from_wire(value)
+        reason = request.reason or _unreadable(value)
+        return dataclasses.replace(request, reason=reason, kind=RecoveryKind.FORCED, proof=None)
+
+
+def _unreadable(value: object) -> str:
+    """The reason of a recovery asked with a value that is no reason, showing the start of what came."""
+    return f"unreadable reason {str(value)[:100]!r}"
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,16 @@ lifecycle.contracts re-exports check_proof for the workflow, which passes its ow
 from datetime import datetime
 
 from foundation.operator_proof import current_trust
-from lifecycle.messages import MaintenanceRequest, OperatorRequest
+from lifecycle.messages import MaintenanceRequest, OperatorRequest, RecoveryRequest
 
 
 def check_proof(
-    action: str, request: OperatorRequest | MaintenanceRequest, *, workflow_id: str, task_queue: str, now: datetime
+    action: str,
+    request: OperatorRequest | MaintenanceRequest | RecoveryRequest,
+    *,
+    workflow_id: str,
+    task_queue: str,
+    now: datetime,
 ) -> None:
     """ValueError when the request's proof does not check against the operator API keys this worker trusts, or when
     it has none and this worker refuses the action unverified (SHEPHERD_UNVERIFIED_OPERATOR_ACTIONS).

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from foundation.operator_proof import ProofSigner
-from lifecycle.contracts import MaintenanceRequest, OperatorRequest
+from lifecycle.contracts import MaintenanceRequest, OperatorRequest, RecoveryRequest
+
+# Every request an operator sends a machine's workflow with who asked and, through the API, a proof of it.
+Asked = OperatorRequest | MaintenanceRequest | RecoveryRequest
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,7 @@ class Attestation:
     via: str
     signer: ProofSigner
 
-    def attest(
-        self, workflow_id: str, action: str, request: OperatorRequest | MaintenanceRequest
-    ) -> OperatorRequest | MaintenanceRequest:
+    def attest(self, workflow_id: str, action: str, request: Asked) -> Asked:
         """The request as the workflow will read it, naming the verified operator, with the API's proof of it."""
         named = dataclasses.replace(request, by=self.subject, proof=None)
         # Signed as the workflow decodes it (text stripped and cut to size), so both sides sign the same bytes.

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from temporalio.api.common.v1 import Payload
 
+from foundation.operator_proof import Signature
 from foundation.settings import Settings
 from foundation.temporal_payloads import DATA_CONVERTER
 from lifecycle.contracts import (
@@ -44,7 +45,8 @@ def encoded(value: Any) -> Any:
         ({"reason": "disk errors", "by": "alice"}, RecoveryRequest("disk errors", "alice")),
         ({"reason": "  disk errors  "}, RecoveryRequest("disk errors")),
         ("smells of smoke", RecoveryRequest("smells of smoke")),
-        ({"why": 3}, RecoveryRequest("unreadable reason \"{'why': 3}\"")),
+        # No reason: the recover update's validator refuses it, force_recover reads it with from_signal.
+        ({"why": 3}, RecoveryRequest("")),
         (42, RecoveryRequest("unreadable reason '42'")),
         ({"reason": "x", "by": 7, "kind": "nonsense"}, RecoveryRequest("x", "unknown", RecoveryKind.FORCED)),
         # What statuses and continue-as-new inputs held before recoveries had a kind.
@@ -60,7 +62,8 @@ def test_null_is_no_request_where_none_is_allowed_and_force_recover_reads_it_as_
     assert decoded(None, RecoveryRequest | None) is None  # type: ignore[arg-type]
     assert decoded(None, OperatorRequest | None) is None  # type: ignore[arg-type]
     # force_recover reads its argument itself: an empty one still means "recover".
-    assert RecoveryRequest.from_wire(None) == RecoveryRequest("no reason given")
+    assert RecoveryRequest.from_signal(None) == RecoveryRequest("no reason given")
+    assert RecoveryRequest.from_signal({"why": 3}) == RecoveryRequest("unreadable reason \"{'why': 3}\"")
 
 
 @pytest.mark.parametrize(
@@ -93,6 +96,7 @@ def test_a_typed_request_goes_on_the_wire_as_the_json_an_operator_types():
         "by": "alice",
         "kind": "forced",
         "reimage": False,
+        "proof": None,
     }
     assert encoded(OperatorRequest("end of lease", "carol")) == {"reason": "end of lease", "by": "carol", "proof": None}
     assert decoded(encoded(MaintenanceRequest(True, "fans", "bob")), MaintenanceRequest) == MaintenanceRequest(
@@ -233,3 +237,18 @@ def test_a_reimage_is_asked_with_a_flag_and_anything_else_is_a_reboot():
     for sent in ({"reason": "disk errors"}, {"reason": "x", "reimage": "yes"}, {"reimage": 1}, "disk errors"):
         assert not decoded(sent, RecoveryRequest).reimage, sent
     assert RecoveryRequest("disk errors", "alice", reimage=True).describe() == "forced reimage: disk errors (by alice)"
+
+
+def test_a_recovery_request_carries_the_api_proof_through_the_wire_and_a_signal_drops_it():
+    proof = Signature("key-1", "oidc", "2026-11-28T03:00:00+00:00", "c2lnbmVk")
+    sent = RecoveryRequest("disk errors", "dave@example.com", reimage=True, proof=proof)
+    assert decoded(encoded(sent), RecoveryRequest) == sent
+    assert sent.credited() == "dave@example.com (verified: oidc)"
+    assert sent.describe() == "forced reimage: disk errors (by dave@example.com (verified: oidc))"
+    assert sent.signed() == {"reason": "disk errors", "reimage": True}
+    # What force_recover reads of the same JSON: a signal has no validator, so whatever it carries is unverified.
+    signalled = RecoveryRequest.from_signal(encoded(sent))
+    assert signalled.proof is None and signalled.credited() == "dave@example.com (unverified)"
+    assert signalled.describe() == "forced reimage: disk errors (by dave@example.com)"
+    for broken in ({"key_id": "key-1"}, "a string", {**encoded(proof), "via": "o i d c"}):
+        assert decoded({"reason": "x", "proof": broken}, RecoveryRequest).proof is None, broken

@@ -15,6 +15,7 @@ with workflow.unsafe.imports_passed_through():
         OperatorAction,
         OperatorActionInput,
         OperatorRequest,
+        RecoveryRequest,
         check_proof,
     )
 
@@ -29,7 +30,7 @@ def given(request: OperatorRequest | None) -> OperatorRequest:
     return request or OperatorRequest()
 
 
-def check_proof_in_validator(action: str, request: OperatorRequest | MaintenanceRequest) -> None:
+def check_proof_in_validator(action: str, request: OperatorRequest | MaintenanceRequest | RecoveryRequest) -> None:
     """ValueError when the request's proof does not check, or it has none and this worker refuses the action
     unverified; called in the update's validator, the one place a workflow may refuse what it is sent."""
     info = workflow.info()

@@ -6,7 +6,8 @@ an operator's maintenance pauses any stage at its next safe point, and a decommi
 ... -> DECOMMISSIONING -> DECOMMISSIONED, the one way a machine's workflow completes.
 
 Signals: ``force_recover`` (an operator), ``heartbeat_lost`` (the fleet watchdog) and ``retry_now`` (an operator
-who fixed what made a step fail); updates: ``release`` (of a quarantined machine), ``set_maintenance``,
+who fixed what made a step fail); updates: ``recover`` and ``retry`` (force_recover and retry_now with the operator
+API's proof checked, recorded verified), ``release`` (of a quarantined machine), ``set_maintenance``,
 ``decommission``, ``restart_agent`` (a new agent without a reboot: WATCHING -> AGENT_STARTING); query:
 ``status``. Each takes one dataclass of lifecycle.contracts. The workflow id ``machine-<provider>-<provider_id>``
 makes Temporal the per-machine lock: no two workers ever act on the same machine at once.
@@ -34,9 +35,11 @@ with workflow.unsafe.imports_passed_through():
         DECOMMISSION_UPDATE,
         FORCE_RECOVER_SIGNAL,
         HEARTBEAT_LOST_SIGNAL,
+        RECOVER_UPDATE,
         RELEASE_UPDATE,
         RESTART_AGENT_UPDATE,
         RETRY_NOW_SIGNAL,
+        RETRY_UPDATE,
         SET_MAINTENANCE_UPDATE,
         STATUS_QUERY,
         Decommission,
@@ -183,13 +186,30 @@ class MachineWorkflow(MachineFlows, ActionLog):
                 sent = workflow.payload_converter().from_payload(arguments[0].payload)
             except Exception:
                 sent = arguments[0].payload.data.decode(errors="replace")
-        request = RecoveryRequest.from_wire(sent)
-        # Whatever the argument says, an operator sent it.
-        request = dataclasses.replace(request, kind=RecoveryKind.FORCED)
+        # Whatever the argument says, an operator sent it, unverified: a signal has no validator to check a proof
+        # in before it acts.
+        request = RecoveryRequest.from_signal(sent)
         self._request_recovery(request)
         kind = "reimage_forced" if request.reimage else "recovery_forced"
-        # A signal has no validator to check a proof in before it acts: whatever it says, it is unverified.
-        await self._log_action(FORCE_RECOVER_SIGNAL, credited(request.by, None), request.reason, kind)
+        await self._log_action(FORCE_RECOVER_SIGNAL, request.credited(), request.reason, kind)
+
+    @workflow.update(name=RECOVER_UPDATE)
+    async def recover(self, request: RecoveryRequest | None = None) -> str:
+        """``recover``: force_recover as an update, ``{"reason": ..., "by": ..., "reimage": false}``, so the operator
+        API's proof is checked before it acts and the caller hears what follows, told by the stage it is in."""
+        asked = dataclasses.replace(request or RecoveryRequest(), kind=RecoveryKind.FORCED)
+        answer = asked.answer(workflow.info().workflow_id, self._status.stage)
+        self._request_recovery(asked)
+        kind = "reimage_forced" if asked.reimage else "recovery_forced"
+        await self._log_action(RECOVER_UPDATE, asked.credited(), asked.reason, kind)
+        return answer
+
+    @recover.validator
+    def _recover_allowed(self, request: RecoveryRequest | None = None) -> None:
+        sent = request or RecoveryRequest(reason="")
+        check_proof_in_validator(RECOVER_UPDATE, sent)
+        self._refuse_if_decommissioned()
+        sent.require_reason()
 
     @workflow.signal(name=HEARTBEAT_LOST_SIGNAL)
     def heartbeat_lost(self, lost: HeartbeatLost | None = None) -> None:
@@ -222,6 +242,26 @@ class MachineWorkflow(MachineFlows, ActionLog):
         reason, by = request.reason or "asked by an operator", credited(request.by, None)
         workflow.logger.info("retrying now, asked by %s: %s", by, reason, extra=self._log_fields)
         await self._log_action(RETRY_NOW_SIGNAL, by, reason, "retry_asked")
+
+    @workflow.update(name=RETRY_UPDATE)
+    async def retry(self, request: OperatorRequest | None = None) -> str:
+        """``retry``: retry_now as an update, ``{"reason": ..., "by": ...}``: the failing step's back-off ends now,
+        and the caller hears which step it is, or, from the validator, that none is failing."""
+        reason, by = given(request).reason or "asked by an operator", given(request).credited()
+        status = self._status
+        # Said before the event is logged: meanwhile the next attempt begins, and counts.
+        answer = f"retrying now ({reason}): it is {status.stage}, failed {status.attempts} time(s)"
+        self._retry_now = True
+        workflow.logger.info("retrying now, asked by %s: %s", by, reason, extra=self._log_fields)
+        await self._log_action(RETRY_UPDATE, by, reason, "retry_asked")
+        return answer
+
+    @retry.validator
+    def _retry_allowed(self, request: OperatorRequest | None = None) -> None:
+        check_proof_in_validator(RETRY_UPDATE, given(request))
+        self._refuse_if_decommissioned()
+        if self._status.attempts == 0:
+            raise ValueError(f"no step is failing: it is {self._status.stage}")
 
     @workflow.update(name=RELEASE_UPDATE)
     def release(self, request: OperatorRequest | None = None) -> str:
@@ -365,7 +405,7 @@ class MachineWorkflow(MachineFlows, ActionLog):
             return
         if status.stage is MachineStage.QUARANTINED and request.by_an_operator and self._release is None:
             # An operator who forces a recovery of a quarantined machine means it: that is a release.
-            self._release = (credited(request.by, None), reason)
+            self._release = (request.credited(), reason)
             self._reimage_on_release = request.reimage
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
             return
