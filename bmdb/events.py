@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import Row, func, insert, select
+from sqlalchemy.sql import Select
 
 from bmdb.base import StoreBase
 from bmdb.records import OPERATOR_ACTION_KINDS, Event
@@ -57,3 +59,40 @@ class EventLog(StoreBase):
             query = query.where(events.c.machine_id == machine_id)
         async with self.engine.connect() as conn:
             return [Event(r.machine_id, r.at, r.kind, r.detail, r.provider_id) for r in await conn.execute(query)]
+
+    async def list_fleet_log(
+        self, *, provider: str | None, since: datetime | None, limit: int, actions: bool = False
+    ) -> list[Event]:
+        """Every machine's events and the fleet's own, newest first, each with its id, machine and provider:
+        provider keeps that instance's machines (and so leaves out the fleet's own events, which have none), since
+        the events at or after it, actions the operator actions (OPERATOR_ACTION_KINDS)."""
+        query = _logged().order_by(events.c.at.desc(), events.c.event_id.desc()).limit(limit)
+        if provider is not None:
+            query = query.where(machine_provided.c.provider == provider)
+        if since is not None:
+            query = query.where(events.c.at >= since)
+        if actions:
+            query = query.where(events.c.kind.in_(OPERATOR_ACTION_KINDS))
+        async with self.engine.connect() as conn:
+            return [_logged_event(r) for r in await conn.execute(query)]
+
+    async def events_after(self, event_id: int, limit: int) -> list[Event]:
+        """The events whose id is above event_id, oldest first (by id), each with its machine and provider."""
+        query = _logged().where(events.c.event_id > event_id).order_by(events.c.event_id).limit(limit)
+        async with self.engine.connect() as conn:
+            return [_logged_event(r) for r in await conn.execute(query)]
+
+    async def last_event_id(self) -> int:
+        """The highest event id so far; 0 for an empty log."""
+        async with self.engine.connect() as conn:
+            return int(await conn.scalar(select(func.coalesce(func.max(events.c.event_id), 0))) or 0)
+
+
+def _logged() -> Select[Any]:
+    return select(events, machine_provided.c.provider, machine_provided.c.provider_id).select_from(
+        events.outerjoin(machine_provided, machine_provided.c.machine_id == events.c.machine_id)
+    )
+
+
+def _logged_event(r: Row[Any]) -> Event:
+    return Event(r.machine_id, r.at, r.kind, r.detail, r.provider_id, r.event_id, r.provider)

@@ -138,6 +138,10 @@ class Event:
     detail: str
     # The machine's provider id, where a listing spans machines; None for a fleet-wide event.
     provider_id: str | None = None
+    # Where a listing follows the log by its order (the operator API's event stream): the event's id in BMDB,
+    # which only grows, and its machine's provider instance (None for a fleet-wide event).
+    event_id: int | None = None
+    provider: str | None = None
 
 
 # The events that record what an operator asked for, each naming who; and the reboots and reimages, whose detail
@@ -159,4 +163,7 @@ OPERATOR_ACTION_KINDS = (
     "fleet_triggered",
     "rebooted",
     "reimaged",
+    "approval_asked",
+    "approval_approved",
+    "approval_refused",
 )

@@ -15,8 +15,9 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
 )
-from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 metadata = MetaData()
 
@@ -124,6 +125,26 @@ recovery_holds = Table(
     Column("release_reason", Text),
     Column("ended_at", DateTime(timezone=True)),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Requests the operator API's policy gives to two people: each as asked, waiting for a second operator's
+# decision until it expires; the decision and what came of it are kept.
+operator_approvals = Table(
+    "operator_approvals",
+    metadata,
+    Column("approval_id", UUID(as_uuid=True), primary_key=True),
+    Column("action", Text, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("request", JSONB, nullable=False),
+    Column("asked_by", Text, nullable=False),
+    Column("asked_via", Text, nullable=False),
+    Column("asked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Column("decision", Text),
+    Column("decided_by", Text),
+    Column("decided_at", DateTime(timezone=True)),
+    Column("outcome", Text),
+    Index("operator_approvals_open", "expires_at", postgresql_where=text("decision IS NULL")),
 )
 
 PROVIDED_STATUS_CREATING = "creating"

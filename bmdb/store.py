@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from bmdb.agents import AgentRecords
+from bmdb.approvals import ApprovalRecords
 from bmdb.base import sqlalchemy_url
 from bmdb.connection_errors import connection_failure
 from bmdb.events import EventLog
@@ -62,7 +63,16 @@ __all__ = [
 ]
 
 
-class BMDB(MachineRecords, AgentRecords, HeartbeatWrites, WatchdogQueries, RecoveryHolds, MachineMarks, EventLog):
+class BMDB(
+    MachineRecords,
+    AgentRecords,
+    HeartbeatWrites,
+    WatchdogQueries,
+    RecoveryHolds,
+    MachineMarks,
+    EventLog,
+    ApprovalRecords,
+):
     """The machine database. One instance per process; it owns a connection pool."""
 
     def __init__(self, url: str, *, pool_size: int = 10) -> None:

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from foundation.operator_proof import OperatorTrust, TrustedKeys
 from foundation.setting_values import SettingsError, check_listen_address, https_url_problem, is_loopback
+from foundation.tls import CertificateProblem, read_certificates
 
 # What each unverified_operator_actions refuses without the operator API's proof: the updates that retire a
 # machine or let a quarantined one be rebooted again. A signal (force_recover) cannot be refused before it acts.
@@ -27,6 +28,14 @@ class OperatorSettings(Protocol):
     @property
     def oidc_client_id(self) -> str: ...
     @property
+    def api_url(self) -> str: ...
+    @property
+    def api_ca_path(self) -> Path | None: ...
+    @property
+    def api_client_certificate_path(self) -> Path | None: ...
+    @property
+    def api_client_key_path(self) -> Path | None: ...
+    @property
     def api_listen(self) -> str: ...
     @property
     def api_policy_path(self) -> Path | None: ...
@@ -36,6 +45,8 @@ class OperatorSettings(Protocol):
     def api_tls_certificate_path(self) -> Path | None: ...
     @property
     def api_tls_key_path(self) -> Path | None: ...
+    @property
+    def api_client_ca_path(self) -> Path | None: ...
     @property
     def api_trusted_keys(self) -> str: ...
     @property
@@ -56,7 +67,33 @@ def check_operator_settings(settings: OperatorSettings) -> None:
             else ("api_tls_key_path", "api_tls_certificate_path")
         )
         raise SettingsError(missing, f"must be set with {given}: a certificate is served with its key")
+    if settings.api_client_ca_path is not None and settings.api_tls_certificate_path is None:
+        raise SettingsError(
+            "api_client_ca_path",
+            "needs api_tls_certificate_path and api_tls_key_path: a client certificate is shown in the TLS "
+            "handshake, and plain http has none",
+        )
+    if settings.api_url:
+        _check_api_client(settings)
     operator_trust(settings)
+
+
+def _check_api_client(settings: OperatorSettings) -> None:
+    # A token or client certificate goes wherever api_url points: only to a server whose certificate is checked.
+    url = settings.api_url
+    problem = https_url_problem(url)
+    if problem is None and ("?" in url or "#" in url):
+        problem = f"must have no query or fragment, got {url!r}"
+    if problem is not None:
+        raise SettingsError("api_url", problem)
+    certificate, key = settings.api_client_certificate_path, settings.api_client_key_path
+    if (certificate is None) != (key is None):
+        missing = "api_client_key_path" if key is None else "api_client_certificate_path"
+        raise SettingsError(missing, "api_client_certificate_path and api_client_key_path go together")
+    for name in ("api_ca_path", "api_client_certificate_path", "api_client_key_path"):
+        path = getattr(settings, name)
+        if path is not None and not path.is_file():
+            raise SettingsError(name, f"{path} is not a readable file")
 
 
 def operator_trust(settings: OperatorSettings) -> OperatorTrust:
@@ -100,17 +137,25 @@ def check_login_settings(settings: OperatorSettings) -> None:
 
 def check_api_settings(settings: OperatorSettings) -> None:
     """What the operator API needs beyond Settings.check(): each missing setting named, the files there, and TLS
-    unless it listens on loopback alone (bearer tokens in plain http go nowhere else)."""
-    needed = ("oidc_issuer", "oidc_audience", "api_signing_key_path", "api_policy_path")
+    unless it listens on loopback alone (bearer tokens in plain http go nowhere else). An API with an operator CA
+    may do without an OIDC issuer: its operators show client certificates."""
+    needed: tuple[str, ...] = ("oidc_issuer", "oidc_audience", "api_signing_key_path", "api_policy_path")
+    if settings.api_client_ca_path is not None and not (settings.oidc_issuer or settings.oidc_audience):
+        needed = ("api_signing_key_path", "api_policy_path")
     missing = [name for name in needed if not getattr(settings, name)]
     if missing:
         raise SettingsError(
             missing[0], f"the operator API needs {', '.join(missing)}: tokens, proofs and decisions rest on them"
         )
-    for name in ("api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path"):
+    for name in ("api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path", "api_client_ca_path"):
         path = getattr(settings, name)
         if path is not None and not path.is_file():
             raise SettingsError(name, f"{path} is not a readable file")
+    if settings.api_client_ca_path is not None:
+        try:
+            read_certificates(settings.api_client_ca_path)
+        except CertificateProblem as problem:
+            raise SettingsError("api_client_ca_path", f"{problem}: the operator CA's certificates") from None
     host, _ = check_listen_address("api_listen", settings.api_listen)
     if settings.api_tls_certificate_path is None and not is_loopback(host):
         raise SettingsError(

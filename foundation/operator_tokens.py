@@ -63,14 +63,17 @@ class TokenRefused(Exception):
 
 @dataclass(frozen=True)
 class OperatorIdentity:
-    """An operator as a verified token shows them: who, in which groups, vouched for by whom, and until when."""
+    """An operator as a verified token or client certificate shows them: who, in which groups, vouched for by whom,
+    and until when."""
 
     subject: str
     groups: tuple[str, ...]
     issuer: str
-    verified_by: str  # how: "oidc", a token checked against the issuer's keys
-    expires_at: datetime  # the token's expiry (UTC): the identity is not to be trusted past it
+    # how: "oidc", a token checked against the issuer's keys; "certificate", a client certificate of the operator CA
+    verified_by: str
+    expires_at: datetime  # the token's (or certificate's) expiry (UTC): the identity is not to be trusted past it
     client_id: str | None = None  # the client the token was issued to: the CLI, a CI tool
+    certificate: str | None = None  # the client certificate's subject DN (RFC 4514), matched by certificate grants
 
 
 class TokenVerifier:

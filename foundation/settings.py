@@ -181,6 +181,18 @@ class Settings:
     oidc_audience: str = _setting("", "Audience (resource indicator) of the operator API: access tokens name it in aud")
     oidc_client_id: str = _setting("", "Client id of `shepherd login` at the OIDC provider (a public client)")
 
+    # Where the shepherd commands send operators' reads and requests (docs/operations.md#the-operator-api)
+    api_url: str = _setting(
+        "", "URL of the operator API the commands go through; empty: straight to Temporal and BMDB (embedded stack)"
+    )
+    api_ca_path: Path | None = _setting(
+        None, "PEM CA bundle the commands check the operator API's certificate with; unset: the system's CAs"
+    )
+    api_client_certificate_path: Path | None = _setting(
+        None, "PEM client certificate the commands show the operator API instead of a login's token"
+    )
+    api_client_key_path: Path | None = _setting(None, "PEM private key of api_client_certificate_path")
+
     # Operator requests sent straight to Temporal, and those the operator API signs (docs/security.md)
     api_trusted_keys: str = _setting(
         "",
@@ -207,6 +219,17 @@ class Settings:
         None, "PEM certificate chain of the operator API; unset: plain http, on a loopback address only"
     )
     api_tls_key_path: Path | None = _setting(None, "PEM private key of the operator API's certificate")
+    api_approval_wait: float = _duration(
+        3600.0, "How long a request the policy gives to two people waits for the second operator before it expires"
+    )
+    api_client_ca_path: Path | None = _setting(
+        None,
+        "PEM bundle of the operator CA (two during its rotation; their CRLs to check revocations): operators may show "
+        "a client certificate of it instead of a token; needs api_tls_certificate_path",
+    )
+    api_max_streams: int = _setting(
+        100, "Event streams (GET /v1/events/stream) the operator API serves at once; past it a client is answered 503"
+    )
 
     # Observability, per process
     metrics_listen: str = _setting("", "host:port this process serves Prometheus /metrics on; empty: none")
@@ -275,6 +298,7 @@ class Settings:
             ("heartbeat_max_streams", 1),
             ("heartbeat_max_streams_per_address", 0),
             ("heartbeat_processes", 1),
+            ("api_max_streams", 1),
         ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")
@@ -322,8 +346,9 @@ class Settings:
         return self
 
     def check_api(self) -> Settings:
-        """What the operator API needs on top of check(): an issuer and audience to verify tokens with, a key to
-        sign with, a policy to decide with (each missing one named), and TLS unless it listens on loopback alone."""
+        """What the operator API needs on top of check(): an issuer and audience to verify tokens with (or an
+        operator CA for client certificates), a key to sign with, a policy to decide with (each missing one named),
+        and TLS unless it listens on loopback alone."""
         self.check()
         check_api_settings(self)
         return self

@@ -15,7 +15,7 @@ Every other type decodes as the SDK decodes it, and encoding is the SDK's own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio.converter import (
     CompositePayloadConverter,
@@ -26,6 +26,8 @@ from temporalio.converter import (
     JSONTypeConverterUnhandled,
     value_to_type,
 )
+
+T = TypeVar("T")
 
 
 class _FromWire(JSONTypeConverter):
@@ -64,3 +66,10 @@ class PayloadConverter(CompositePayloadConverter):
 
 # What every client, worker and replayer of Shepherd's workflows decodes with.
 DATA_CONVERTER = dataclasses.replace(DataConverter.default, payload_converter_class=PayloadConverter)
+
+
+def decode_json(hint: type[T], value: Any) -> T:
+    """A JSON value read as hint, the way a payload of that type is decoded (through from_wire where a class has
+    it); for a document that carries a workflow's answer elsewhere, such as the operator API's."""
+    decoded: T = value_to_type(hint, value, [_FromWire()])
+    return decoded

@@ -83,8 +83,10 @@ class CertificateAuthority:
         not_before: datetime.datetime,
         not_after: datetime.datetime,
         alt_name: x509.GeneralName | None = None,
+        usage: x509.ObjectIdentifier | None = None,
     ) -> tuple[bytes, bytes]:
-        """(certificate, private key) in PEM, for a server when alt_name names it, for a client otherwise."""
+        """(certificate, private key) in PEM, for a server when alt_name names it, for a client otherwise; usage
+        (ExtendedKeyUsageOID.SERVER_AUTH or CLIENT_AUTH) keeps a certificate to that one side of TLS."""
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
             x509.CertificateBuilder()
@@ -97,8 +99,25 @@ class CertificateAuthority:
         )
         if alt_name is not None:
             builder = builder.add_extension(x509.SubjectAlternativeName([alt_name]), critical=False)
+        if usage is not None:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         certificate = builder.sign(self._key, hashes.SHA256())
         return certificate.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+    def revocation_list(
+        self, serials: list[int], this_update: datetime.datetime, next_update: datetime.datetime
+    ) -> bytes:
+        """A CRL of this CA, in PEM, revoking the certificates of these serial numbers."""
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self._certificate.subject)
+            .last_update(this_update)
+            .next_update(next_update)
+        )
+        for serial in serials:
+            revoked = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(this_update).build()
+            builder = builder.add_revoked_certificate(revoked)
+        return builder.sign(self._key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
 def local_certificates(directory: Path, host: str = "127.0.0.1") -> LocalCertificates:

@@ -3,6 +3,7 @@ host-key pin forgotten after a reinstall. Every request carries who asked and wh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
@@ -12,8 +13,11 @@ from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import (
     FORCE_RECOVER_SIGNAL,
     MACHINE_STAGE,
+    PROVIDER,
     PROVIDER_ID,
+    RECOVER_UPDATE,
     RETRY_NOW_SIGNAL,
+    RETRY_UPDATE,
     RUNNING_MACHINES,
     MaintenanceRequest,
     OperatorRequest,
@@ -47,6 +51,7 @@ class Target:
     workflow_id: str
     provider_id: str
     stage: str
+    provider: str | None = None  # its provider instance, for the policy's check of each machine of a bulk request
 
 
 def check_reason(text: str) -> str:
@@ -83,27 +88,31 @@ class MachineActions(Connections):
     async def ask_workflow(self, workflow_id: str, update: str, request: OperatorRequest | MaintenanceRequest) -> str:
         """Send the update to one machine workflow, with the API's proof when the operator is a verified one; its
         answer, as a line naming the workflow."""
-        if self.attestation is not None:
-            request = self.attestation.attest(workflow_id, update, request)
+        sent = request if self.attestation is None else self.attestation.attest(workflow_id, update, request)
         handle = (await self.temporal()).get_workflow_handle(workflow_id)
-        return f"{workflow_id}: {await handle.execute_update(update, request, result_type=str)}"
+        return f"{workflow_id}: {await handle.execute_update(update, sent, result_type=str)}"
 
     async def recover(self, name: str, request: RecoveryRequest) -> str:
         """Ask the machine of that name for a recovery reboot (or a reimage); what happens, told by the stage it
-        was in."""
-        reason = check_reason(request.reason)
-        what, act = ("reimage", "reimages") if request.reimage else ("recovery", "reboots")
+        was in. A verified operator's request is the recover update, whose answer the workflow gives and whose
+        refusal is OperatorRefused; one by hand is the force_recover signal, told by the stage queried before."""
+        request = dataclasses.replace(request, reason=check_reason(request.reason))
         workflow_id = await running_machine_workflow(await self.temporal(), self.bmdb, name, then="recover it again")
+        if self.attestation is not None:
+            attested = self.attestation.attest(workflow_id, RECOVER_UPDATE, request)
+            handle = (await self.temporal()).get_workflow_handle(workflow_id)
+            try:
+                return await handle.execute_update(RECOVER_UPDATE, attested, result_type=str)
+            except WorkflowUpdateFailedError as error:
+                raise OperatorRefused(f"{workflow_id}: {refusal_text(error)}") from None
         before = await self._stage_of(workflow_id)
         await self.signal_recovery(workflow_id, request)
-        if before == "QUARANTINED":
-            return f"{workflow_id}: was QUARANTINED; the forced {what} releases it ({reason}) and {act} it"
-        if before in ("RECOVERING", "REIMAGING"):
-            return f"{workflow_id} is already {before}; the request is recorded with the one under way"
-        if before in ("PROVISIONING", "AGENT_STARTING"):
-            return f"{workflow_id}: {what} requested ({reason}); it is {before}, the {what} follows the takeover"
-        suffix = "; a provider that cannot reimage reboots it instead" if request.reimage else ""
-        return f"{workflow_id}: {what} requested ({reason}); it was {before}{suffix}"
+        return request.answer(workflow_id, before)
+
+    async def retry(self, name: str, request: OperatorRequest) -> str:
+        """Ask the machine of that name to end its failing step's back-off now (the retry update); its answer, or
+        OperatorRefused saying why (no step is failing)."""
+        return await self.ask(name, RETRY_UPDATE, request, then="ask again once it runs")
 
     async def signal_recovery(self, workflow_id: str, request: RecoveryRequest) -> None:
         """Signal force_recover to one machine workflow."""
@@ -129,6 +138,7 @@ class MachineActions(Connections):
                         execution.id,
                         attributes.get(PROVIDER_ID) or execution.id,
                         attributes.get(MACHINE_STAGE) or "unknown",
+                        attributes.get(PROVIDER),
                     )
                 )
         except RPCError as error:
@@ -162,10 +172,22 @@ class MachineActions(Connections):
             if description.status != WorkflowExecutionStatus.RUNNING:
                 return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
             retry = OperatorRequest(f"host key pin reset: {reason}", by)
+            if self.attestation is not None:
+                return await self._retry_verified(done, workflow_id, retry)
             await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, retry)
         except RPCError as error:
             raise HostKeyError(
                 f"{done}, but {workflow_id} could not be asked to retry now ({error.message}); "
                 "it retries at the end of its back-off, or send it the retry_now signal"
             ) from None
+        return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"
+
+    async def _retry_verified(self, done: str, workflow_id: str, retry: OperatorRequest) -> str:
+        """The retry after a verified operator's host-key reset, as the retry update: the pin is reset whether or
+        not a step is failing, so the workflow's refusal is told, not raised."""
+        try:
+            await self.ask_workflow(workflow_id, RETRY_UPDATE, retry)
+        except WorkflowUpdateFailedError as error:
+            refused = refusal_text(error)
+            return f"{done}; {workflow_id} did not retry ({refused}), its next takeover pins the key it sees"
         return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"

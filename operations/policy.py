@@ -173,11 +173,10 @@ def _check_fits(action: str, target: Target) -> None:
 
 
 def _holds(grant: Grant, requester: Requester) -> bool:
-    if requester.subject in grant.subjects or grant.groups.intersection(requester.groups):
-        return True
-    if requester.certificate is None:
-        return False
-    return any(certificate_matches(name, requester.certificate) for name in grant.certificates)
+    if requester.certificate is not None:
+        # A certificate's CN is no token's subject: an operator CA must not reach the grants of a token's sub.
+        return any(certificate_matches(name, requester.certificate) for name in grant.certificates)
+    return requester.subject in grant.subjects or bool(grant.groups.intersection(requester.groups))
 
 
 def _covers(grant: Grant, target: Target) -> bool:

@@ -23,6 +23,7 @@ from foundation.startup import StartupError
 from shepherd.commands import (
     api,
     api_key,
+    approvals,
     config,
     decommission,
     dev,
@@ -60,6 +61,7 @@ COMMANDS = (
     maintenance,
     decommission,
     reset_host_key,
+    approvals,
     doctor,
     machines,
     status,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +16,7 @@ import pytest
 from agent.build import build_agent_executable
 from bmdb import migrate
 from tests.conftest import register_bare_namespace
+from tests.test_operator_api_certificates import machines_as_printed
 
 
 def shepherd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -156,15 +160,43 @@ def test_bad_arguments_are_usage_errors(args):
     assert "Traceback" not in result.stderr and result.stderr.strip()
 
 
+def printed_exports(lines: list[str]) -> dict[str, str]:
+    """The variables of the export line `shepherd dev` prints for the commands to reach its operator API."""
+    line = next(line for line in lines if "export SHEPHERD_API_URL=" in line)
+    words = shlex.split(line[line.index("export ") :])[1:]
+    return dict(word.split("=", 1) for word in words)
+
+
 def test_dev_brings_a_fleet_up_recovers_it_from_chaos_and_stops_everything(tmp_path):
-    result = shepherd(
-        *("dev", "--machines", "3", "--chaos", "--chaos-interval", "1s", "--chaos-kills", "2"),
-        *("--until-ready", "--timeout", "4m", "--state-dir", str(tmp_path)),
-        timeout=360,
+    argv = ["dev", "--machines", "3", "--chaos", "--chaos-interval", "1s", "--chaos-kills", "2"]
+    argv += ["--until-ready", "--timeout", "4m", "--state-dir", str(tmp_path)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHEPHERD_")}
+    dev = subprocess.Popen(
+        [sys.executable, "-m", "shepherd", *argv],
+        env=clean,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("chaos: killed the agent of") == 2
-    assert "all 3 machines are WATCHING after 2 recoveries" in result.stdout
+    try:
+        # Its operator API answers the client certificate it printed while the chaos runs: a recovery first waits
+        # out the stack's 20 s heartbeat timeout, so the stack is still up.
+        assert dev.stdout is not None
+        printed, machines = machines_as_printed(dev.stdout)
+        # And the commands go through it with the exports it printed, as its admin.
+        listed = shepherd("machines", "--json", env=printed_exports(printed))
+        rest, _ = dev.communicate(timeout=360)
+    finally:
+        if dev.poll() is None:
+            dev.send_signal(signal.SIGINT)  # it stops its children itself
+            dev.wait(60)
+    output = "".join(printed) + rest
+    assert machines and {machine["provider"] for machine in machines} == {"sim"}, machines
+    assert listed.returncode == 0, listed.stderr
+    assert {machine["provider_id"] for machine in json.loads(listed.stdout)} >= {m["provider_id"] for m in machines}
+    assert dev.returncode == 0, output
+    assert output.count("chaos: killed the agent of") == 2
+    assert "all 3 machines are WATCHING after 2 recoveries" in output
     again = shepherd(
         "dev", "--machines", "3", "--until-ready", "--timeout", "1ms", "--state-dir", str(tmp_path / "x"), timeout=300
     )

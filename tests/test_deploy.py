@@ -43,7 +43,18 @@ DEFAULT_HEARTBEAT_LISTEN = "0.0.0.0:8900"
 PATHS_USED = {
     "worker": ("agent_executable_path", "agent_endpoint_ca_certificate_path", "effective_ssh_key_path"),
     "heartbeat-server": ("heartbeat_tls_certificate_path", "heartbeat_tls_key_path"),
+    "api": (
+        "api_signing_key_path",
+        "api_policy_path",
+        "api_tls_certificate_path",
+        "api_tls_key_path",
+        "api_client_ca_path",
+    ),
 }
+# The operator API's listen address when none is set, and the policy file the examples stand for here, where the
+# deploy files' own path does not exist (check() reads it).
+DEFAULT_API_LISTEN = "127.0.0.1:8700"
+EXAMPLE_POLICY = DEPLOY / "policy.example.toml"
 # Kubernetes' default terminationGracePeriodSeconds.
 DEFAULT_KUBERNETES_GRACE = 30.0
 
@@ -443,6 +454,8 @@ def test_the_deploy_files_are_found():
         ("deploy/systemd/shepherd-worker.service", "worker"),
         ("deploy/systemd/shepherd-heartbeat-server.service", "heartbeat-server"),
         ("deploy/systemd/shepherd-migrate.service", "migrate"),
+        ("deploy/kubernetes/api.yaml", "api"),
+        ("deploy/systemd/shepherd-api.service", "api"),
     } <= commands
     assert dockerfile().entrypoint == [IMAGE], "deploy/Dockerfile: the entrypoint must be the shepherd command"
 
@@ -497,6 +510,8 @@ def test_every_setting_value_is_accepted():
     for where, env in units:
         try:
             # Paths point into a container or host, not here: check() is what holds for every process.
+            if "SHEPHERD_API_POLICY_PATH" in env:
+                env = env | {"SHEPHERD_API_POLICY_PATH": str(EXAMPLE_POLICY)}
             Settings.from_env(env).check()
         except SettingsError as error:
             problems.append(f"{where}: {error}")
@@ -522,6 +537,8 @@ def test_listen_ports_are_declared():
         wanted = {"SHEPHERD_METRICS_LISTEN": listen_port(process, "SHEPHERD_METRICS_LISTEN", None)}
         if process.command == "heartbeat-server":
             wanted["SHEPHERD_HEARTBEAT_LISTEN"] = port_of(heartbeat_address(process))
+        if process.command == "api":
+            wanted["SHEPHERD_API_LISTEN"] = listen_port(process, "SHEPHERD_API_LISTEN", DEFAULT_API_LISTEN)
         for setting, port in wanted.items():
             if port is not None and port not in process.ports:
                 problems.append(
@@ -537,6 +554,8 @@ def test_systemd_units_on_one_host_use_different_ports():
         ports = {listen_port(process, "SHEPHERD_METRICS_LISTEN", None)}
         if process.command == "heartbeat-server":
             ports.add(port_of(heartbeat_address(process)))
+        if process.command == "api":
+            ports.add(listen_port(process, "SHEPHERD_API_LISTEN", DEFAULT_API_LISTEN))
         for port in ports - {None}:
             assert port is not None
             if port in taken:
@@ -649,6 +668,9 @@ FILE_VARIABLES = (
     "SHEPHERD_HEARTBEAT_TLS_CERTIFICATE_PATH",
     "SHEPHERD_HEARTBEAT_TLS_KEY_PATH",
     "SHEPHERD_AGENT_ENDPOINT_CA_CERTIFICATE_PATH",
+    "SHEPHERD_API_TLS_CERTIFICATE_PATH",
+    "SHEPHERD_API_TLS_KEY_PATH",
+    "SHEPHERD_API_CLIENT_CA_PATH",
 )
 # libpq's parameters in a BMDB URL that name files.
 DATABASE_URL_FILES = ("sslrootcert", "sslcert", "sslkey")
@@ -659,14 +681,17 @@ FILES_READ = {
     "worker": ("TEMPORAL_", "SHEPHERD_AGENT_ENDPOINT_CA_", "SHEPHERD_DATABASE_URL"),
     "heartbeat-server": ("SHEPHERD_HEARTBEAT_TLS_", "SHEPHERD_DATABASE_URL", "SHEPHERD_HEARTBEAT_DATABASE_URL"),
     "migrate": ("SHEPHERD_DATABASE_URL",),
+    "api": ("TEMPORAL_", "SHEPHERD_API_", "SHEPHERD_DATABASE_URL"),
 }
-# What lets a process authenticate to Temporal: only the worker talks to Temporal.
+# What lets a process authenticate to Temporal: only the workers and the operator API talk to Temporal.
 TEMPORAL_CREDENTIALS = (
     "TEMPORAL_TLS_CLIENT_KEY_PATH",
     "TEMPORAL_TLS_CLIENT_KEY_DATA",
     "TEMPORAL_API_KEY",
     "TEMPORAL_CONFIG_FILE",
 )
+# The processes that talk to Temporal, each with a credential of its own.
+TEMPORAL_HOLDERS = ("worker", "api")
 # Shepherd's own Temporal settings, which win over the Temporal CLI's configuration.
 SHEPHERDS_TEMPORAL_SETTINGS = ("temporal_address", "temporal_namespace")
 # libpq refuses a key file owned by root that its group may write or run, or others may use at all; a mounted
@@ -827,28 +852,30 @@ def test_mounted_secrets_are_readable_by_the_pods_user_alone():
     assert not problems, "\n".join(problems)
 
 
-def test_only_workers_hold_temporal_credentials():
-    """The heartbeat server and migrate never talk to Temporal; the heartbeat server is what the machines reach."""
+def test_only_workers_and_the_api_hold_temporal_credentials():
+    """The heartbeat server and migrate never talk to Temporal; the heartbeat server is what the machines reach.
+    The workers and the operator API each hold a Temporal credential of their own, never the other's."""
     problems = []
     for process in all_processes():
         held = [name for name in TEMPORAL_CREDENTIALS if process.env.get(name)]
-        if process.command != "worker" and held:
+        if process.command not in TEMPORAL_HOLDERS and held:
             problems.append(f"{process.where}: `shepherd {process.command}` is given {', '.join(held)}")
     temporal_secrets = {
-        found[0]
+        (process.command, found[0])
         for process in kubernetes_processes()
-        if process.command == "worker"
+        if process.command in TEMPORAL_HOLDERS
         for setting, path in files_named(process.env)
         if setting.startswith("TEMPORAL_") and (found := secret_file(process, path))
     }
     for process in kubernetes_processes():
-        mounted = {secret for secret, _ in process.secret_mounts.values()} & temporal_secrets
-        if process.command != "worker" and mounted:
+        others = {secret for holder, secret in temporal_secrets if holder != process.command}
+        mounted = {secret for secret, _ in process.secret_mounts.values()} & others
+        if mounted:
             problems.append(f"{process.where}: `shepherd {process.command}` mounts {', '.join(sorted(mounted))}")
-    # The production-shaped workers use mutual TLS, so the checks above have something to hold.
+    # The production-shaped workers and API use mutual TLS, so the checks above have something to hold.
     for process in kubernetes_processes() + systemd_processes():
-        if process.command == "worker" and not process.env.get("TEMPORAL_TLS_CLIENT_KEY_PATH"):
-            problems.append(f"{process.where}: the worker has no TEMPORAL_TLS_CLIENT_KEY_PATH")
+        if process.command in TEMPORAL_HOLDERS and not process.env.get("TEMPORAL_TLS_CLIENT_KEY_PATH"):
+            problems.append(f"{process.where}: `shepherd {process.command}` has no TEMPORAL_TLS_CLIENT_KEY_PATH")
     assert not problems, "\n".join(problems)
 
 
@@ -978,8 +1005,14 @@ def test_systemd_loads_the_units_without_a_warning(tmp_path):
 # Least privilege
 
 # Each process's BMDB credential: the migration's is BMDB's owner, the workers' a user granted shepherd_worker, the
-# heartbeat server's its own URL, of a user granted shepherd_heartbeat.
-BMDB_CREDENTIAL = {"migrate": "SHEPHERD_DATABASE_URL", "worker": "SHEPHERD_DATABASE_URL"}
+# heartbeat server's its own URL, of a user granted shepherd_heartbeat; the operator API's a user of its own.
+BMDB_CREDENTIAL = {
+    "migrate": "SHEPHERD_DATABASE_URL",
+    "worker": "SHEPHERD_DATABASE_URL",
+    "api": "SHEPHERD_DATABASE_URL",
+}
+# What every way of running it all runs; the operator API where it is deployed.
+REQUIRED_PROCESSES = {"heartbeat-server", "migrate", "worker"}
 HEARTBEAT_CREDENTIAL = "SHEPHERD_HEARTBEAT_DATABASE_URL"
 # What the heartbeat server may be handed from a Secret: its own BMDB URL; and the Secret keys it may share with
 # the workers: a CA certificate, which is public.
@@ -989,6 +1022,8 @@ SHAREABLE_SECRET_KEYS = {"ca.crt"}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True}
 # Where a heartbeat server and a migration may connect to: DNS and PostgreSQL.
 BMDB_ONLY_PORTS = {53, 5432}
+# Where the operator API may connect to: DNS, PostgreSQL, Temporal's frontend and the OIDC issuer (https).
+API_PORTS = {53, 443, 5432, 7233}
 TEMPORAL_UI_IMAGE = "temporalio/ui"
 # The sandbox every unit carries (systemd.exec(5)), each directive with the value it must have.
 SYSTEMD_SANDBOX = {
@@ -1038,7 +1073,7 @@ def test_each_process_holds_its_own_bmdb_credential():
             problems.append(f"{process.where}: `shepherd {process.command}` has no BMDB user of its own")
         users.setdefault(deployment(process), {})[process.command] = bmdb_user(url)
     for where, by_command in users.items():
-        if sorted(by_command) != ["heartbeat-server", "migrate", "worker"]:
+        if not REQUIRED_PROCESSES <= set(by_command):
             problems.append(f"{where}: runs {sorted(by_command)}, not a migration, workers and a heartbeat server")
         elif len(set(by_command.values())) != len(by_command):
             problems.append(f"{where}: processes share a BMDB user: {by_command}")
@@ -1094,6 +1129,31 @@ def test_the_heartbeat_server_holds_nothing_of_the_workers():
             "User"
         ):
             problems.append(f"deploy/systemd/{name}: runs as the workers' user, who reads their SSH key")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_api_holds_nothing_of_the_workers():
+    """Operators reach the operator API: it holds neither the SSH key, nor the workers' Temporal credential, nor
+    their BMDB credential; a CA certificate is all it may share with them."""
+    definitions = secret_definitions()
+
+    def held(spec: dict[str, Any]) -> set[tuple[str, str]]:
+        return {
+            (secret, one)
+            for secret, key in secrets_used(spec)
+            for one in ({key} if key is not None else set().union(*(d.keys for d in definitions.get(secret, []))))
+        }
+
+    pods = {where: spec for where, _, spec in pod_specs()}
+    workers = set().union(*(held(spec) for where, spec in pods.items() if "worker" in where))
+    apis = [(where, spec) for where, spec in pods.items() if "api.yaml" in where]
+    assert workers and apis, "no worker or operator API pods in deploy/kubernetes"
+    problems = [
+        f"{where}: holds what the workers hold: {key} of Secret {secret}"
+        for where, spec in apis
+        for secret, key in sorted(held(spec) & workers)
+        if key not in SHAREABLE_SECRET_KEYS
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -1280,6 +1340,16 @@ def test_network_policies_let_in_only_what_each_pod_serves():
             if not egress or not reachable <= BMDB_ONLY_PORTS:
                 problems.append(
                     f"{where}: may connect to ports {sorted(map(str, reachable))}, not BMDB's and DNS alone"
+                )
+        if labels.get("app.kubernetes.io/component") == "api":
+            egress = [policy for policy in selecting if "Egress" in policy["spec"].get("policyTypes", [])]
+            reachable = {
+                port for policy in egress for rule in policy["spec"].get("egress", []) for port in rule_ports(rule, {})
+            }
+            if not egress or not reachable <= API_PORTS:
+                problems.append(
+                    f"{where}: may connect to ports {sorted(map(str, reachable))}, not Temporal's, BMDB's, the "
+                    "issuer's and DNS alone"
                 )
     assert not problems, "\n".join(problems)
 

@@ -11,18 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp.test_utils import TestServer
 from joserfc import jwt
 
-from foundation.operator_proof import ProofSigner, public_key_text
+from foundation.operator_proof import public_key_text
 from foundation.operator_tokens import TokenVerifier
 from lifecycle.contracts import MachineStage
-from operations.policy import ReloadedPolicy
 from processes.api_signing_key import load_signing_key
-from processes.operator_api import Documents, OperatorApi
 from processes.operator_api_routes import ROUTES
-from shepherd.commands.machines import machine_json
-from shepherd.commands.status import detail_json
 from tests.fleet_stack import fleet_stack
 from tests.oidc_fixtures import (  # noqa: F401
     CI_CLIENT,
@@ -31,6 +26,7 @@ from tests.oidc_fixtures import (  # noqa: F401
     OidcProvider,
     oidc_fixture,
 )
+from tests.operator_api_fixtures import api_keys, start_api
 
 POLICY = f"""
 [roles]
@@ -46,8 +42,13 @@ providers = ["sim"]
 role = "viewer"
 groups = ["shepherd-viewers"]
 
+[[grants]]
+role = "operator"
+subjects = ["olga"]
+
 [confirmations]
 second_person = ["decommission"]
+typed = ["release"]
 """
 
 
@@ -72,27 +73,13 @@ async def call(
 async def test_verified_operators_read_and_act_as_the_policy_allows(
     tmp_path, temporal_client, bmdb_url, oidc, shepherd_cli
 ):
-    signer = ProofSigner.generate()
-    policy_path = tmp_path / "policy.toml"
-    policy_path.write_text(POLICY)
-    keys = public_key_text(signer.public_key)
+    signer, policy_path, keys = api_keys(tmp_path, POLICY)
     async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=1, api_trusted_keys=keys) as stack:
         await stack.run_pass()
         await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING)
         # No leeway, so a token a second old is expired.
         verifier = TokenVerifier(oidc.issuer, oidc.audience, leeway=0)
-        api = OperatorApi(
-            stack.settings,
-            verifier,
-            ReloadedPolicy(policy_path),
-            signer,
-            stack.client,
-            Documents(machine=machine_json, detail=detail_json),
-            database_url=bmdb_url,
-        )
-        server = TestServer(api.application(), host="127.0.0.1")
-        await server.start_server()
-        base = str(server.make_url(""))
+        api, server, base = await start_api(stack, oidc, signer, policy_path, bmdb_url, verifier=verifier)
         operator = await oidc.access_token(CI_CLIENT)
         viewer = viewer_token(oidc)
         try:
@@ -146,14 +133,52 @@ async def test_verified_operators_read_and_act_as_the_policy_allows(
                 assert machine.maintenance.by == f"{CI_CLIENT} (verified: oidc)"
                 status, body, _ = await call(http, base, "POST", path, operator, maintenance)
                 assert status == 409 and body["error"].startswith("machine-sim-node-0001: ")
-                status, body, _ = await call(
-                    http, base, "POST", "/v1/machines/node-0001/decommission", operator, {"reason": "end of lease"}
-                )
-                assert status == 403
+                # A typed confirmation: the machine's name, typed back.
+                release = "/v1/machines/node-0001/release"
+                status, body, _ = await call(http, base, "POST", release, operator, {"reason": "mended"})
                 assert (
-                    body["error"] == "decommission needs a second person's approval, which this API does not offer yet"
+                    status == 428 and body["error"] == 'release needs a typed confirmation: send "confirm": "node-0001"'
                 )
+                typed = {"reason": "mended", "confirm": "node-0001"}
+                status, body, _ = await call(http, base, "POST", release, operator, typed)
+                assert status == 409 and "not quarantined" in body["error"]
+
+                # A second person: the request waits, is refused by one, asked again and approved by another.
+                olga = viewer_token(oidc, sub="olga", groups=[])
+                decommission = "/v1/machines/node-0001/decommission"
+                lease = {"reason": "end of lease"}
+                status, body, _ = await call(http, base, "POST", decommission, operator, lease)
+                assert status == 202 and "waits for a second operator allowed to decommission" in body["answer"]
+                first = body["approval"]["approval_id"]
+                status, body, _ = await call(http, base, "GET", "/v1/approvals", viewer)
+                assert status == 200 and [a["approval_id"] for a in body] == [first]
+                assert body[0]["asked_by"] == f"{CI_CLIENT} (verified: oidc)" and body[0]["target"].endswith(
+                    "node-0001"
+                )
+                status, body, _ = await call(http, base, "POST", f"/v1/approvals/{first}/refuse", olga)
+                assert status == 200 and body["answer"].endswith("refused by olga, nothing done")
+                status, body, _ = await call(http, base, "POST", decommission, operator, lease)
+                second = body["approval"]["approval_id"]
+                for who, error in (
+                    (operator, f"was asked by {CI_CLIENT}: a second operator decides it"),
+                    (viewer, "vera may not decommission"),
+                ):
+                    status, body, _ = await call(http, base, "POST", f"/v1/approvals/{second}/approve", who)
+                    assert status == 403 and error in body["error"], body
                 assert (await stack.status("node-0001")).decommission is None
+                status, body, _ = await call(http, base, "POST", f"/v1/approvals/{second}/approve", olga)
+                assert status == 200 and "decommission" in body["answer"], body
+                asked = (await stack.status("node-0001")).decommission
+                assert asked is not None and asked.by == f"{CI_CLIENT} (verified: oidc)"
+                assert asked.reason == "end of lease; approved by olga (verified: oidc)"
+                status, body, _ = await call(http, base, "POST", f"/v1/approvals/{second}/approve", olga)
+                assert status == 409 and "was approved by olga (verified: oidc) already" in body["error"]
+                status, body, _ = await call(http, base, "POST", f"/v1/approvals/{first}/approve", olga)
+                assert status == 409 and "was refused by olga (verified: oidc) already" in body["error"]
+                status, body, _ = await call(http, base, "POST", "/v1/approvals/nonsense/approve", olga)
+                assert status == 404 and "an approval is named by its UUID" in body["error"]
+                code, out, _ = await shepherd_cli(env, "events", "node-0001", "--actions")
+                assert code == 0 and "approval_asked" in out and "approval_approved" in out
 
                 # The document lists exactly what is served.
                 status, document, _ = await call(http, base, "GET", "/v1/openapi.json", viewer)
@@ -165,7 +190,7 @@ async def test_verified_operators_read_and_act_as_the_policy_allows(
                     if r.method != "HEAD" and r.resource is not None
                 }
                 assert listed == served == {(r.method, r.path) for r in ROUTES}
-                assert len(served) == 7
+                assert len(served) == len(ROUTES)
         finally:
             await server.close()
             await api.close()

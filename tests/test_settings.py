@@ -69,6 +69,17 @@ def test_durations(text, seconds):
         ({"SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "-1"}, "heartbeat_max_streams_per_address"),
         ({"SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "2.5"}, "heartbeat_max_streams_per_address"),
         ({"SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "a few"}, "heartbeat_max_streams_per_address"),
+        ({"SHEPHERD_API_URL": "http://shepherd.example"}, "api_url"),
+        ({"SHEPHERD_API_URL": "shepherd.example:8700"}, "api_url"),
+        ({"SHEPHERD_API_URL": "https://shepherd.example/?as=admin"}, "api_url"),
+        (
+            {"SHEPHERD_API_URL": "https://shepherd.example", "SHEPHERD_API_CLIENT_CERTIFICATE_PATH": "/dev/null"},
+            "api_client_key_path",
+        ),
+        (
+            {"SHEPHERD_API_URL": "https://shepherd.example", "SHEPHERD_API_CA_PATH": "/nonexistent/ca.pem"},
+            "api_ca_path",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_setting(environ, setting):

@@ -6,10 +6,8 @@ import argparse
 import asyncio
 
 from foundation.settings import Settings
-from processes.operator_api import Documents, run_operator_api
+from processes.operator_api import run_operator_api
 from shepherd.commands.base import EXIT_OK, CommandError, Subcommands, add_common
-from shepherd.commands.machines import machine_json
-from shepherd.commands.status import detail_json
 
 
 def register(commands: Subcommands) -> None:
@@ -25,7 +23,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     """Serve the operator API until stopped."""
     settings.check_api()
     try:
-        asyncio.run(run_operator_api(settings, Documents(machine=machine_json, detail=detail_json)))
+        asyncio.run(run_operator_api(settings))
     except OSError as error:
         raise CommandError(str(error)) from None
     return EXIT_OK

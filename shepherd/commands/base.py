@@ -14,12 +14,13 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, TextIO, TypeAlias, TypeVar
+from typing import Any, Protocol, TextIO, TypeAlias, TypeVar
 
 from foundation.setting_values import parse_duration
 from foundation.settings import Settings
 from lifecycle.contracts import MaintenanceRequest, OperatorRequest
-from operations.client import OperatorClient
+from operations.api_client import ApiOperatorClient
+from operations.client import MachineOperators, OperatorClient, operator_client
 from operations.connections import OperatorError
 from operations.machine_actions import check_reason
 
@@ -27,6 +28,7 @@ from operations.machine_actions import check_reason
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 T = TypeVar("T")
+C = TypeVar("C", bound="Closing")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -45,6 +47,12 @@ _SETTING_FLAGS = (
     "heartbeat_listen",
     "heartbeat_processes",
 )
+
+
+class Closing(Protocol):
+    """A client that is closed once a command is done with it."""
+
+    async def close(self) -> None: ...
 
 
 class CommandError(Exception):
@@ -92,8 +100,31 @@ def operator() -> str:
 
 
 def add_by(parser: argparse.ArgumentParser) -> None:
-    """--by: who asked, recorded with the action; the default is the user and host running the command."""
-    parser.add_argument("--by", type=_by_arg, help="who asks, recorded with the action (default: user@host)")
+    """--by: who asked, recorded with the action; the default is the user and host running the command. And
+    --break-glass, as every command that reaches machines takes."""
+    parser.add_argument(
+        "--by",
+        type=_by_arg,
+        help="who asks, recorded with the action (default: user@host); not through the operator API, which "
+        "records who logged in",
+    )
+    parser.add_argument(
+        "--confirm",
+        metavar="WHAT",
+        help="through the operator API, what its policy asks typed back: the machine's provider id, the provider "
+        "instance's name, or the count of machines --where selects",
+    )
+    add_break_glass(parser)
+
+
+def add_break_glass(parser: argparse.ArgumentParser) -> None:
+    """--break-glass: straight to Temporal and BMDB although api_url names an operator API."""
+    parser.add_argument(
+        "--break-glass",
+        action="store_true",
+        help="with api_url set: straight to Temporal and BMDB, not through the operator API, for when it is down; "
+        "needs their credentials, and actions are recorded unverified",
+    )
 
 
 def _by_arg(text: str) -> str:
@@ -144,11 +175,59 @@ def resolve_settings(args: argparse.Namespace) -> tuple[Settings, dict[str, str]
 
 
 def operate(settings: Settings, act: Callable[[OperatorClient], Awaitable[T]]) -> T:
-    """Run act with an operator client for the settings; a request it could not do ends the command with why."""
+    """Run act with an operator client straight to Temporal and BMDB; a request it could not do ends the command
+    with why. For what only goes that way (the embedded stack, --break-glass)."""
+    return _run_closing(OperatorClient(settings), act)
 
+
+def through_api(settings: Settings, args: argparse.Namespace) -> bool:
+    """Whether the command goes through the operator API: api_url is set and --break-glass not given. --by is
+    refused through it, and --break-glass said on stderr, since both change who the record names."""
+    if not settings.api_url or getattr(args, "break_glass", False):
+        if getattr(args, "confirm", None) is not None:
+            raise UsageError("--confirm answers the operator API's policy, and this command does not go through it")
+    if not settings.api_url:
+        return False
+    if getattr(args, "break_glass", False):
+        print(
+            f"break glass: straight to Temporal and BMDB, not through the operator API at {settings.api_url}; "
+            "recorded unverified",
+            file=sys.stderr,
+        )
+        return False
+    if getattr(args, "by", None) is not None:
+        raise UsageError(
+            "--by is not taken through the operator API, which records the operator it verified; "
+            "it goes with --break-glass"
+        )
+    return True
+
+
+def operate_machines(
+    settings: Settings, args: argparse.Namespace, act: Callable[[MachineOperators], Awaitable[T]]
+) -> T:
+    """Run act with the operator client args and settings choose: through the operator API where api_url names
+    one, else (or with --break-glass) straight to Temporal and BMDB; a request it could not do ends the command
+    with why."""
+    confirm = getattr(args, "confirm", None)
+    client = operator_client(settings, break_glass=not through_api(settings, args), confirm=confirm)
+    return _run_closing(client, act)
+
+
+def operate_api(
+    settings: Settings, act: Callable[[ApiOperatorClient], Awaitable[T]], args: argparse.Namespace | None = None
+) -> T:
+    """Run act with a client of the operator API (sending args' --confirm); a request it could not do ends the
+    command with why. For a command whose through_api() said so."""
+    return _run_closing(ApiOperatorClient(settings, confirm=getattr(args, "confirm", None)), act)
+
+
+def _run_closing(client: C, act: Callable[[C], Awaitable[T]]) -> T:
     async def run() -> T:
-        async with OperatorClient(settings) as operators:
-            return await act(operators)
+        try:
+            return await act(client)
+        finally:
+            await client.close()
 
     try:
         return asyncio.run(run())
@@ -157,11 +236,16 @@ def operate(settings: Settings, act: Callable[[OperatorClient], Awaitable[T]]) -
 
 
 def ask_machine(
-    settings: Settings, machine: str, update: str, request: OperatorRequest | MaintenanceRequest, *, then: str
+    settings: Settings,
+    args: argparse.Namespace,
+    update: str,
+    request: OperatorRequest | MaintenanceRequest,
+    *,
+    then: str,
 ) -> int:
-    """Send the update to the machine's workflow and print its answer; a refusal ends the command with its reason.
+    """Send the update to args.machine's workflow and print its answer; a refusal ends the command with its reason.
 
     then: what the operator should do once a workflow that does not run runs again.
     """
-    print(operate(settings, lambda operators: operators.ask(machine, update, request, then=then)))
+    print(operate_machines(settings, args, lambda operators: operators.ask(args.machine, update, request, then=then)))
     return EXIT_OK

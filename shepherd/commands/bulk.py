@@ -12,9 +12,11 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from foundation.settings import Settings
 from lifecycle.contracts import MaintenanceRequest, OperatorRequest
+from operations.api_client import ApiOperatorClient, ApiRefused
 from operations.client import OperatorClient
 from operations.machine_actions import InvalidQuery, Target, refusal_text
 from shepherd.commands.base import (
@@ -26,8 +28,10 @@ from shepherd.commands.base import (
     add_by,
     ask_machine,
     operate,
+    operate_api,
     operator,
     reason_arg,
+    through_api,
 )
 
 # Machines an action is under way on at once; the rate paces the starts.
@@ -67,15 +71,15 @@ def add_machines(parser: argparse.ArgumentParser, reason_help: str) -> None:
     add_where(parser)
 
 
-def run_update(settings: Settings, args: argparse.Namespace, update: str, *, doing: str, then: str) -> int:
+def run_update(settings: Settings, args: argparse.Namespace, update: str, action: str, *, doing: str, then: str) -> int:
     """Send the update, with the reason and who asked, to MACHINE or to each machine --where selects; every
-    machine answers for itself. doing: what is asked, for the confirmation; then: for a machine whose workflow
-    does not run, what to do once it runs again."""
+    machine answers for itself. action: the operator API's name of it; doing: what is asked, for the confirmation;
+    then: for a machine whose workflow does not run, what to do once it runs again."""
     check_target(args)
     request = OperatorRequest(args.reason, args.by or operator())
     if args.where is not None:
-        return run_bulk(settings, args, doing, updating(update, request))
-    return ask_machine(settings, args.machine, update, request, then=then)
+        return run_bulk(settings, args, doing, updating(update, request), action, {"reason": args.reason})
+    return ask_machine(settings, args, update, request, then=then)
 
 
 def _rate_arg(text: str) -> float:
@@ -149,32 +153,87 @@ async def act_on_all(
     return failures
 
 
-def run_bulk(settings: Settings, args: argparse.Namespace, doing: str, act: Act) -> int:
-    """List what args.where selects, confirm, and act on each machine; doing: what is asked, for the prompt."""
+def run_bulk(
+    settings: Settings, args: argparse.Namespace, doing: str, act: Act, action: str, body: dict[str, Any]
+) -> int:
+    """List what args.where selects, confirm, and act on each machine; doing: what is asked, for the prompt.
+    Through the operator API, the API selects and acts as its policy allows: action and body are its request."""
+    if through_api(settings, args):
+        return operate_api(settings, lambda api: _bulk_through_api(api, args, doing, action, body))
 
     async def run(operators: OperatorClient) -> int:
         try:
             targets = await operators.select(args.where)
         except InvalidQuery as error:
             raise UsageError(str(error)) from None
-        if not targets:
-            raise CommandError(f"no running machine workflow matches --where {args.where!r}: nothing done")
-        print(f"{len(targets)} machine(s) match --where {args.where!r}:")
-        for target in targets[:LISTED]:
-            print(f"  {target.provider_id:<24} {target.stage:<16} {target.workflow_id}")
-        if len(targets) > LISTED:
-            print(f"  and {len(targets) - LISTED} more")
-        if args.dry_run:
-            print("dry run: nothing done")
-            return EXIT_OK
-        if not args.yes and not confirmed(f"{doing} on these {len(targets)} machine(s)?"):
-            print("nothing done")
-            return EXIT_FAILURE
+        if not _listed(args, targets) or not _confirmed(args, doing, len(targets)):
+            return EXIT_OK if args.dry_run else EXIT_FAILURE
         failures = await act_on_all(operators, targets, act, args.rate)
-        print(f"done: {len(targets) - len(failures)} of {len(targets)} succeeded", end="")
-        print(f", {len(failures)} did not:" if failures else "")
-        for target, why in failures:
-            print(f"  {target.workflow_id}: {why}")
-        return EXIT_FAILURE if failures else EXIT_OK
+        return _summary(len(targets), [(target.workflow_id, why) for target, why in failures])
 
     return operate(settings, run)
+
+
+async def _bulk_through_api(
+    api: ApiOperatorClient, args: argparse.Namespace, doing: str, action: str, body: dict[str, Any]
+) -> int:
+    asked = body | {"where": args.where}
+    try:
+        selected = await api.bulk(action, asked | {"dry_run": True})
+    except ApiRefused as refused:
+        if refused.status == 400:
+            raise UsageError(str(refused)) from None
+        raise
+    targets = [Target(m["workflow_id"], m["provider_id"], m["stage"]) for m in selected["machines"]]
+    if not _listed(args, targets) or not _confirmed(args, doing, len(targets)):
+        return EXIT_OK if args.dry_run else EXIT_FAILURE
+    count = selected.get("confirm_needed")
+    if count is not None:
+        # The policy asks for the count typed back; the API counts again when the request comes.
+        typed = args.confirm
+        if typed is None:
+            print(f"the policy asks for the number of machines typed back to go on ({count}): ", end="", flush=True)
+            typed = sys.stdin.readline().strip()
+        if typed != str(count):
+            print(f"{typed!r} is not {count}: nothing done")
+            return EXIT_FAILURE
+        asked["confirm"] = count
+    answer = await api.bulk(action, asked)
+    if "approval" in answer:
+        print(answer["answer"])  # the policy gives it to two people: it waits for the second
+        return EXIT_OK
+    results = answer["results"]
+    for finished, result in enumerate(results, start=1):
+        print(f"[{finished}/{len(results)}] {result['line']}", flush=True)
+    failures = [(r["workflow_id"], r["why"]) for r in results if r["outcome"] != "done"]
+    return _summary(len(results), failures)
+
+
+def _listed(args: argparse.Namespace, targets: list[Target]) -> bool:
+    """Name what --where selected; whether to go on (not for a dry run). CommandError when nothing is."""
+    if not targets:
+        raise CommandError(f"no running machine workflow matches --where {args.where!r}: nothing done")
+    print(f"{len(targets)} machine(s) match --where {args.where!r}:")
+    for target in targets[:LISTED]:
+        print(f"  {target.provider_id:<24} {target.stage:<16} {target.workflow_id}")
+    if len(targets) > LISTED:
+        print(f"  and {len(targets) - LISTED} more")
+    if args.dry_run:
+        print("dry run: nothing done")
+        return False
+    return True
+
+
+def _confirmed(args: argparse.Namespace, doing: str, count: int) -> bool:
+    if args.yes or confirmed(f"{doing} on these {count} machine(s)?"):
+        return True
+    print("nothing done")
+    return False
+
+
+def _summary(count: int, failures: list[tuple[str, str]]) -> int:
+    print(f"done: {count - len(failures)} of {count} succeeded", end="")
+    print(f", {len(failures)} did not:" if failures else "")
+    for workflow_id, why in failures:
+        print(f"  {workflow_id}: {why}")
+    return EXIT_FAILURE if failures else EXIT_OK

@@ -12,6 +12,7 @@ import argparse
 
 from foundation.settings import Settings
 from lifecycle.contracts import DECOMMISSION_UPDATE
+from operations.policy_file import DECOMMISSION
 from shepherd.commands.base import Subcommands, add_common
 from shepherd.commands.bulk import add_machines, run_update
 
@@ -28,4 +29,6 @@ def register(commands: Subcommands) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Ask MACHINE, or each machine --where selects, to be decommissioned for good."""
-    return run_update(settings, args, DECOMMISSION_UPDATE, doing="decommission (for good)", then="decommission it")
+    return run_update(
+        settings, args, DECOMMISSION_UPDATE, DECOMMISSION, doing="decommission (for good)", then="decommission it"
+    )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import shlex
 import shutil
 import signal
 import sys
@@ -42,11 +44,13 @@ from providers.bmc_secrets import BmcSecretRules
 from providers.inventory import load_inventory
 from providers.registry import open_provider
 from shepherd.commands.base import Subcommands, UsageError, add_common, duration_arg, positive_int
+from shepherd.commands.dev_stack.api_credentials import api_credentials
 from shepherd.commands.dev_stack.chaos import Chaos
 from shepherd.commands.dev_stack.children import (
     Child,
     DevError,
     check_port_free,
+    operator_api_ready,
     simulator_argv,
     simulator_ready,
     temporal_client,
@@ -54,6 +58,7 @@ from shepherd.commands.dev_stack.children import (
 )
 from shepherd.commands.dev_stack.stack_settings import (
     AGENT_ENDPOINT,
+    API_PORT,
     DEV_STATE,
     METRICS_PORTS,
     SIM_API_PORT,
@@ -148,6 +153,7 @@ class DevStack:
             (TEMPORAL_UI_PORT, "Temporal UI"),
             *([(SIM_API_PORT, "simulator API")] if simulated else []),
             (int(settings.heartbeat_listen.rpartition(":")[2]), "heartbeat server"),
+            (API_PORT, "operator API"),
             *((port, f"{child} metrics") for child, port in self.metrics_ports.items()),
         ):
             check_port_free(port, what)
@@ -218,12 +224,34 @@ class DevStack:
             )
         )
         await ensure_fleet_schedules(client, settings, trigger=True)
+        await self.start_operator_api(settings, child_env, logs)
         self.say(
             "metrics: "
             + ", ".join(f"http://127.0.0.1:{port}/metrics ({child})" for child, port in self.metrics_ports.items())
         )
         self.say(f"logs in {logs}; Ctrl-C stops everything")
         return client, database_url
+
+    async def start_operator_api(self, settings: Settings, child_env: dict[str, str], logs: Path) -> None:
+        """Start the operator API, wait until it answers the local operator's client certificate, and say how to
+        reach it with that certificate."""
+        url = f"https://{settings.api_listen}"
+        self.say(f"starting the operator API on {url} (TLS, client certificates of its operator CA)")
+        self.children.append(Child("api", [sys.executable, "-m", "shepherd", "api"], logs / "api.log", env=child_env))
+        credentials = api_credentials(self.state / "api")
+        ready = functools.partial(operator_api_ready, context=credentials.client_context())
+        await self.wait_until(ready, f"{url}/v1/openapi.json", "the operator API")
+        self.say("operator API: your client certificate is its admin; the commands go through it with")
+        through = {
+            "SHEPHERD_API_URL": url,
+            "SHEPHERD_API_CA_PATH": credentials.ca_certificate,
+            "SHEPHERD_API_CLIENT_CERTIFICATE_PATH": credentials.client_certificate,
+            "SHEPHERD_API_CLIENT_KEY_PATH": credentials.client_key,
+        }
+        self.say("  export " + " ".join(f"{name}={shlex.quote(str(value))}" for name, value in through.items()))
+        curl = ["curl", "--cacert", credentials.ca_certificate, "--cert", credentials.client_certificate]
+        curl += ["--key", credentials.client_key, f"{url}/v1/machines"]
+        self.say("  " + shlex.join(str(part) for part in curl))
 
     async def start_simulator(self, settings: Settings, logs: Path) -> None:
         """Start the simulator with the fleet asked for, and wait until its API answers."""

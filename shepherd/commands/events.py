@@ -10,11 +10,22 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from bmdb.store import Event, MachineRecord
+from bmdb.store import Event
 from foundation.settings import Settings
-from lifecycle.contracts import machine_workflow_id
+from operations.api_client import ApiOperatorClient
 from operations.client import OperatorClient
-from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, operate, positive_int, show
+from operations.documents import events_document, events_from_document
+from shepherd.commands.base import (
+    MACHINE_HELP,
+    Subcommands,
+    add_break_glass,
+    add_common,
+    operate,
+    operate_api,
+    positive_int,
+    show,
+    through_api,
+)
 
 _CLOCK = "%Y-%m-%d %H:%M:%S"
 _FLEET = "(fleet)"
@@ -44,11 +55,6 @@ def format_events(heading: str, events: list[Event], *, by_machine: bool = False
     return lines
 
 
-def _machine_heading(record: MachineRecord) -> str:
-    workflow_id = machine_workflow_id(record.provider, record.provider_id)
-    return f"{record.provider_id} ({workflow_id}), BMDB machine {record.machine_id}"
-
-
 async def print_events(
     operators: OperatorClient,
     name: str | None,
@@ -60,24 +66,16 @@ async def print_events(
 ) -> int:
     """Print the event log of the machine of that name, or the fleet's, as lines or as JSON."""
     record, events = await operators.events(name, limit, actions=actions)
-    what = "operator actions and reboots" if actions else "events"
-    heading = _machine_heading(record) if record else f"the fleet's {what}" + (" on every machine" if actions else "")
-    document: dict[str, Any] = {
-        "machine_id": None if record is None else str(record.machine_id),
-        "provider_id": None if record is None else record.provider_id,
-        "events": [
-            {"at": e.at.isoformat(), "kind": e.kind, "detail": e.detail}
-            | ({"provider_id": e.provider_id} if record is None else {})
-            for e in events
-        ],
-    }
-    return show(
-        out,
-        as_json,
-        lambda: document,
-        lambda: format_events(heading, events, by_machine=actions and record is None),
-        indent=None,
-    )
+    return show_events(events_document(record, events), actions=actions, as_json=as_json, out=out)
+
+
+def show_events(document: dict[str, Any], *, actions: bool, as_json: bool = False, out: TextIO | None = None) -> int:
+    """Print an event log's document, as lines or as JSON, whether BMDB or the operator API gave it."""
+    heading, events = events_from_document(document)
+    if heading is None:
+        heading = "the fleet's " + ("operator actions and reboots on every machine" if actions else "events")
+    lines = format_events(heading, events, by_machine=actions and document["machine_id"] is None)
+    return show(out, as_json, lambda: document, lambda: lines, indent=None)
 
 
 def register(commands: Subcommands) -> None:
@@ -92,11 +90,19 @@ def register(commands: Subcommands) -> None:
     )
     parser.add_argument("--limit", type=positive_int, default=50, help="at most this many events (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="JSON, with details uncut")
+    add_break_glass(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Print the event log of MACHINE, or the fleet's; --actions: only operator actions and reboots."""
+    if through_api(settings, args):
+
+        async def ask(operators: ApiOperatorClient) -> dict[str, Any]:
+            return await operators.events_document(args.machine, args.limit, actions=args.actions)
+
+        document = operate_api(settings, ask)
+        return show_events(document, actions=args.actions, as_json=args.json)
     return operate(
         settings,
         lambda operators: print_events(operators, args.machine, args.limit, actions=args.actions, as_json=args.json),

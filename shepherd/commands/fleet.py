@@ -6,78 +6,54 @@ import argparse
 import sys
 import textwrap
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any, TextIO
 
 from bmdb.store import BMDBUnavailable
 from foundation.setting_values import format_duration
 from foundation.settings import Settings
-from lifecycle.contracts import fleet_schedule_id
+from operations.api_client import ApiOperatorClient
 from operations.client import OperatorClient
-from operations.fleet_control import FleetAction, FleetPass, HoldRelease
+from operations.documents import (
+    clock,
+    done_line,
+    provider_document,
+    provider_from_document,
+    release_lines,
+    schedule_document,
+)
+from operations.fleet_control import FleetAction, FleetPass, ScheduleState
 from shepherd.commands.base import (
     Subcommands,
     UsageError,
     add_by,
     add_common,
     operate,
+    operate_api,
     operator,
     positive_int,
     reason_arg,
     show,
+    through_api,
 )
 
 __all__ = ["FleetAction", "FleetPass", "format_passes", "held_lines", "print_fleet", "schedule_line"]
 
 
-def done_line(provider: str, action: FleetAction) -> str:
-    """What an action on the provider's schedule did, for the operator."""
-    schedule_id = fleet_schedule_id(provider)
-    if action.pause:
-        return f"paused the fleet schedule {schedule_id}: no passes until `shepherd fleet --resume`"
-    if action.resume:
-        return f"resumed the fleet schedule {schedule_id}"
-    return f"started a fleet pass of {provider} now"
-
-
 async def schedule_line(operators: OperatorClient, provider: str) -> tuple[str, dict[str, Any]]:
     """The schedule's state in one line, and as facts for --json."""
     state = await operators.schedule(provider)
+    return schedule_text(state), schedule_document(state)
+
+
+def schedule_text(state: ScheduleState) -> str:
+    """A schedule's state in one line."""
     every = "on its own calendar"
     if state.interval_seconds is not None:
         every = f"every {format_duration(state.interval_seconds)}"
-    facts = {
-        "schedule_id": state.schedule_id,
-        "paused": state.paused,
-        "note": state.note or None,
-        "interval_seconds": state.interval_seconds,
-        "next_pass_at": state.next_pass_at.isoformat() if state.next_pass_at and not state.paused else None,
-    }
     if state.paused:
-        line = f"schedule {state.schedule_id}: PAUSED ({state.note or 'no note'}), {every}"
-    else:
-        next_pass = f", next pass {_clock(state.next_pass_at)}" if state.next_pass_at else ""
-        line = f"schedule {state.schedule_id}: running, {every}{next_pass}"
-    return line, facts
-
-
-def release_lines(releases: Sequence[HoldRelease]) -> list[str]:
-    """A line for the operator for each provider whose held recoveries were asked to go ahead."""
-    lines = []
-    for hold in releases:
-        if hold.held_since is None:
-            lines.append(f"provider {hold.provider}: no recoveries are held")
-        elif hold.released_now:
-            lines.append(
-                f"provider {hold.provider}: released the recoveries held since {_clock(hold.held_since)} "
-                f"({hold.silent_count} machines silent): the next pass signals them"
-            )
-        else:
-            lines.append(
-                f"provider {hold.provider}: already released by {hold.released_by} at {_clock(hold.released_at)}: "
-                f"{hold.release_reason}"
-            )
-    return lines
+        return f"schedule {state.schedule_id}: PAUSED ({state.note or 'no note'}), {every}"
+    next_pass = f", next pass {clock(state.next_pass_at)}" if state.next_pass_at else ""
+    return f"schedule {state.schedule_id}: running, {every}{next_pass}"
 
 
 def held_lines(passes: list[FleetPass]) -> list[str]:
@@ -105,10 +81,6 @@ def held_lines(passes: list[FleetPass]) -> list[str]:
     return lines
 
 
-def _clock(at: datetime | None) -> str:
-    return at.strftime("%Y-%m-%d %H:%M:%S") if at else "-"
-
-
 def format_passes(passes: list[FleetPass]) -> list[str]:
     """80 columns: one line a pass, and a line for why it failed or whom it found silent."""
     row = "{:<19} {:<9} {:>8} {:>6} {:>8} {:>9} {:>6}"
@@ -118,7 +90,7 @@ def format_passes(passes: list[FleetPass]) -> list[str]:
         plan = result.get("plan") or {}
         lines.append(
             row.format(
-                _clock(fleet_pass.started_at),
+                clock(fleet_pass.started_at),
                 fleet_pass.outcome,
                 plan.get("provider_count", "-"),
                 plan.get("bmdb_count", "-"),
@@ -162,31 +134,34 @@ async def print_fleet(
 
     told: lines about what was done before (released recoveries), printed first.
     """
-    documents: list[dict[str, Any]] = []
-    lines: list[str] = [*told]
+    fleets: list[tuple[dict[str, Any], str | None]] = []
     for provider in providers:
         done = done_line(provider, action) if await operators.apply(provider, action) else None
-        line, facts = await schedule_line(operators, provider)
-        recent = await operators.last_passes(provider, passes)
-        rows = [
-            {
-                "started_at": p.started_at.isoformat() if p.started_at else None,
-                "outcome": p.outcome,
-                "why": p.why,
-                "result": p.result,
-            }
-            for p in recent
-        ]
-        held = next((p.result.get("recoveries_held") for p in recent if p.result), None)
-        documents.append({"provider": provider, "schedule": facts, "recoveries_held": held, "passes": rows})
+        state = await operators.schedule(provider)
+        fleets.append((provider_document(provider, state, await operators.last_passes(provider, passes)), done))
+    return show_fleet(fleets, told, as_json=as_json, out=out)
+
+
+def show_fleet(
+    fleets: Sequence[tuple[dict[str, Any], str | None]],
+    told: Sequence[str] = (),
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+) -> int:
+    """Print each provider's fleet document (with the line saying what was done to it, if anything) after the told
+    lines, whether Temporal or the operator API gave them; --json the documents alone."""
+    lines: list[str] = [*told]
+    for document, done in fleets:
+        _, state, recent = provider_from_document(document)
         lines += [
             *([""] if lines else []),
             *([done] if done else []),
-            line,
+            schedule_text(state),
             *held_lines(recent),
             *format_passes(recent),
         ]
-    return show(out, as_json, lambda: {"providers": documents}, lambda: lines)
+    return show(out, as_json, lambda: {"providers": [document for document, _ in fleets]}, lambda: lines)
 
 
 def register(commands: Subcommands) -> None:
@@ -223,6 +198,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError("--reason goes with --release-recoveries")
     if args.by is not None and not (args.pause or args.resume or args.trigger or args.release_recoveries):
         raise UsageError("--by goes with --pause, --resume, --trigger or --release-recoveries")
+    if through_api(settings, args):
+        return operate_api(settings, lambda api: _through_api(api, args))
     by = args.by or operator()
     action = FleetAction(pause=args.pause, resume=args.resume, trigger=args.trigger, note=args.note, by=by)
     providers = [instance.name for instance in settings.provider_instances]
@@ -244,3 +221,26 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         return code
 
     return operate(settings, act)
+
+
+async def _through_api(api: ApiOperatorClient, args: argparse.Namespace) -> int:
+    """What run() does, asked of the operator API: which provider instances there are is the API's to say."""
+    shown = await api.fleet_document(args.provider, args.passes)
+    verb = next((v for v in ("pause", "resume", "trigger", "release_recoveries") if getattr(args, v)), None)
+    if verb is None:
+        return show_fleet([(document, None) for document in shown["providers"]], as_json=args.json)
+    body: dict[str, Any] = {"reason": args.reason} if args.release_recoveries else {}
+    if args.note:
+        body["note"] = args.note
+    if args.confirm is not None and args.release_recoveries:
+        body["confirm"] = args.confirm
+    fleets, told = [], []
+    for provider, _, _ in (provider_from_document(document) for document in shown["providers"]):
+        answer = await api.fleet_action(provider, verb.replace("_", "-"), body, passes=args.passes)
+        if "approval" in answer:
+            # The policy gives it to two people: it waits for the second.
+            told.append(answer["answer"])
+            continue
+        told += answer.get("released", [])
+        fleets.append((answer["providers"][0], answer.get("done")))
+    return show_fleet(fleets, told, as_json=args.json)

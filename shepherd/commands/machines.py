@@ -6,15 +6,15 @@ import argparse
 import textwrap
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TextIO
 
-from bmdb.store import MachineRecord
 from foundation.setting_values import format_duration
 from foundation.settings import Settings
-from lifecycle.contracts import MachineStage, machine_workflow_id
-from operations.client import OperatorClient
+from lifecycle.contracts import MachineStage
+from operations.client import MachineOperators
+from operations.machine_documents import machine_json
 from operations.machine_reads import NO_WORKFLOW, MachineView
-from shepherd.commands.base import Subcommands, add_common, operate, show
+from shepherd.commands.base import Subcommands, add_break_glass, add_common, operate_machines, show
 
 
 def age(then: datetime | None, now: datetime) -> str:
@@ -56,35 +56,6 @@ def format_machines(views: list[MachineView], now: datetime) -> list[str]:
     return lines
 
 
-def record_json(record: MachineRecord, recoveries: int) -> dict[str, Any]:
-    """What BMDB knows of a machine, as the --json of the commands shows it."""
-
-    def when(at: datetime | None) -> str | None:
-        return at.isoformat() if at else None
-
-    return {
-        "provider": record.provider,
-        "provider_id": record.provider_id,
-        "machine_id": str(record.machine_id),
-        "workflow_id": machine_workflow_id(record.provider, record.provider_id),
-        "address": record.address,
-        "ssh_port": record.ssh_port,
-        "bmdb_status": record.status,
-        "agent_started_at": when(record.agent_started_at),
-        "last_heartbeat_at": when(record.agent_heartbeat_at),
-        "missing_at_provider_since": when(record.missing_since),
-        "stuck_since": when(record.stuck_since),
-        "decommissioned_at": when(record.retired_at),
-        "decommission_reason": record.retired_reason,
-        "recoveries": recoveries,
-    }
-
-
-def machine_json(view: MachineView) -> dict[str, Any]:
-    """One machine of the table as --json shows it."""
-    return record_json(view.record, view.recoveries) | {"stage": None if view.stage == NO_WORKFLOW else view.stage}
-
-
 @dataclass(frozen=True)
 class MachineFilter:
     """Which machines ``shepherd machines`` lists: of one stage, of one provider; None admits any but the
@@ -103,7 +74,7 @@ class MachineFilter:
 
 
 async def print_machines(
-    operators: OperatorClient,
+    operators: MachineOperators,
     out: TextIO | None = None,
     *,
     only: MachineFilter = MachineFilter(),
@@ -131,10 +102,11 @@ def register(commands: Subcommands) -> None:
     parser.add_argument("--stage", type=stage_arg, help="only machines in this stage (or - for no workflow)")
     parser.add_argument("--provider", help="only machines of this provider")
     parser.add_argument("--json", action="store_true", help="a JSON list instead of the table")
+    add_break_glass(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Print the fleet's machines, narrowed by --stage and --provider, as a table or as JSON."""
     only = MachineFilter(stage=args.stage, provider=args.provider)
-    return operate(settings, lambda operators: print_machines(operators, only=only, as_json=args.json))
+    return operate_machines(settings, args, lambda operators: print_machines(operators, only=only, as_json=args.json))

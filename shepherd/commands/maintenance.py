@@ -11,6 +11,7 @@ import argparse
 
 from foundation.settings import Settings
 from lifecycle.contracts import SET_MAINTENANCE_UPDATE, MaintenanceRequest
+from operations.policy_file import MAINTENANCE
 from shepherd.commands.base import (
     MACHINE_HELP,
     Subcommands,
@@ -52,5 +53,10 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.where is not None:
         doing = "maintenance on" if args.on else "maintenance off" + (" and a reboot" if args.recover else "")
-        return run_bulk(settings, args, doing, updating(SET_MAINTENANCE_UPDATE, request))
-    return ask_machine(settings, args.machine, SET_MAINTENANCE_UPDATE, request, then="ask again once it runs")
+        body = (
+            {"on": args.on}
+            | ({"reason": args.reason} if args.reason else {})
+            | ({"recover": True} if args.recover else {})
+        )
+        return run_bulk(settings, args, doing, updating(SET_MAINTENANCE_UPDATE, request), MAINTENANCE, body)
+    return ask_machine(settings, args, SET_MAINTENANCE_UPDATE, request, then="ask again once it runs")

@@ -12,7 +12,8 @@ from foundation.settings import Settings
 from lifecycle.contracts import RecoveryRequest
 from operations.client import OperatorClient
 from operations.machine_actions import Target
-from shepherd.commands.base import EXIT_OK, Subcommands, add_common, operate, operator
+from operations.policy_file import RECOVER, REIMAGE
+from shepherd.commands.base import EXIT_OK, Subcommands, add_common, operate_machines, operator
 from shepherd.commands.bulk import add_machines, check_target, run_bulk
 
 
@@ -41,6 +42,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             return f"{target.workflow_id}: {what} requested ({args.reason}); it was {target.stage}"
 
         doing = "a reimage and a new takeover" if args.reimage else "a reboot and a new takeover"
-        return run_bulk(settings, args, doing, force)
-    print(operate(settings, lambda operators: operators.recover(args.machine, request)))
+        action = REIMAGE if args.reimage else RECOVER
+        return run_bulk(settings, args, doing, force, action, {"reason": args.reason})
+    print(operate_machines(settings, args, lambda operators: operators.recover(args.machine, request)))
     return EXIT_OK

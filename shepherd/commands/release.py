@@ -34,4 +34,4 @@ def register(commands: Subcommands) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Ask MACHINE's workflow to release it from quarantine."""
     request = OperatorRequest(args.reason, args.by or operator())
-    return ask_machine(settings, args.machine, RELEASE_UPDATE, request, then="release it if it is quarantined again")
+    return ask_machine(settings, args, RELEASE_UPDATE, request, then="release it if it is quarantined again")

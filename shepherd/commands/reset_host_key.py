@@ -18,7 +18,7 @@ from shepherd.commands.base import (
     Subcommands,
     add_by,
     add_common,
-    operate,
+    operate_machines,
     operator,
     reason_arg,
 )
@@ -39,5 +39,5 @@ def register(commands: Subcommands) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Forget MACHINE's host key pin and ask its workflow to retry its takeover now."""
     by = args.by or operator()
-    print(operate(settings, lambda operators: operators.reset_host_key(args.machine, args.reason, by)))
+    print(operate_machines(settings, args, lambda operators: operators.reset_host_key(args.machine, args.reason, by)))
     return EXIT_OK

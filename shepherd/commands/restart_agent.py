@@ -12,6 +12,7 @@ import argparse
 
 from foundation.settings import Settings
 from lifecycle.contracts import RESTART_AGENT_UPDATE
+from operations.policy_file import RESTART_AGENT
 from shepherd.commands.base import Subcommands, add_common
 from shepherd.commands.bulk import add_machines, run_update
 
@@ -29,5 +30,10 @@ def register(commands: Subcommands) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Ask MACHINE, or each machine --where selects, for a new takeover without a reboot."""
     return run_update(
-        settings, args, RESTART_AGENT_UPDATE, doing="a new takeover without a reboot", then="restart its agent"
+        settings,
+        args,
+        RESTART_AGENT_UPDATE,
+        RESTART_AGENT,
+        doing="a new takeover without a reboot",
+        then="restart its agent",
     )

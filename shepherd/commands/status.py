@@ -8,16 +8,16 @@ workflow is never woken for them). This command puts both on one page.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TextIO
 
 from foundation.settings import Settings
 from lifecycle.contracts import MachineStatus
-from operations.client import OperatorClient
+from operations.client import MachineOperators
+from operations.machine_documents import detail_json
 from operations.machine_reads import MachineDetail
-from shepherd.commands.base import MACHINE_HELP, Subcommands, add_common, operate, show
-from shepherd.commands.machines import age, record_json
+from shepherd.commands.base import MACHINE_HELP, Subcommands, add_break_glass, add_common, operate_machines, show
+from shepherd.commands.machines import age
 
 _LABEL = "{:<19} {}"
 _VALUE_WIDTH = 80 - 20
@@ -103,17 +103,8 @@ def _operator_rows(status: MachineStatus, now: datetime) -> list[tuple[str, str]
     return rows
 
 
-def detail_json(detail: MachineDetail) -> dict[str, Any]:
-    """The machine whole as --json shows it: BMDB's record, the workflow's state and its status uncut."""
-    return record_json(detail.record, detail.recoveries) | {
-        "workflow_state": detail.workflow_state,
-        "status": None if detail.status is None else asdict(detail.status),
-        "status_missing": detail.status_missing,
-    }
-
-
 async def print_status(
-    operators: OperatorClient, name: str, *, as_json: bool = False, out: TextIO | None = None
+    operators: MachineOperators, name: str, *, as_json: bool = False, out: TextIO | None = None
 ) -> int:
     """Print the machine of that name whole, as lines or as JSON."""
     detail = await operators.machine_detail(name)
@@ -128,9 +119,10 @@ def register(commands: Subcommands) -> None:
     add_common(parser)
     parser.add_argument("machine", metavar="MACHINE", help=MACHINE_HELP)
     parser.add_argument("--json", action="store_true", help="JSON, with every value uncut")
+    add_break_glass(parser)
     parser.set_defaults(run=run)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Print MACHINE whole: its workflow's status beside BMDB's records."""
-    return operate(settings, lambda operators: print_status(operators, args.machine, as_json=args.json))
+    return operate_machines(settings, args, lambda operators: print_status(operators, args.machine, as_json=args.json))

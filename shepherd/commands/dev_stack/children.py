@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable
@@ -159,6 +160,13 @@ class Child:
 async def simulator_ready(url: str) -> None:
     """Raise unless the simulator's API answers at url."""
     async with aiohttp.ClientSession() as session, session.get(url) as response:
+        response.raise_for_status()
+
+
+async def operator_api_ready(url: str, context: ssl.SSLContext) -> None:
+    """Raise unless the operator API answers the document at url to a client of this TLS context."""
+    connector = aiohttp.TCPConnector(ssl=context)
+    async with aiohttp.ClientSession(connector=connector) as session, session.get(url) as response:
         response.raise_for_status()
 
 

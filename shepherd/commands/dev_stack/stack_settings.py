@@ -8,10 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from foundation.operator_proof import public_key_text
 from foundation.provider_instances import ProviderInstance
 from foundation.setting_values import ENV_PREFIX, SettingsError, parse_endpoint
 from foundation.settings import Settings
 from foundation.tls import local_certificates
+from processes.api_signing_key import load_signing_key
+from shepherd.commands.dev_stack.api_credentials import API_HOST, api_credentials
 
 TEMPORAL_PORT = 7233
 TEMPORAL_UI_PORT = 8233
@@ -19,12 +22,14 @@ SIM_API_PORT = 8800
 # Where agents call back; the heartbeat server listens here.
 HEARTBEAT_PORT = 8900
 AGENT_ENDPOINT = f"127.0.0.1:{HEARTBEAT_PORT}"
+# The operator API, over TLS; the deploy files' port too.
+API_PORT = 8443
 # Prometheus /metrics of each long-running child.
 METRICS_PORTS = {"worker": 9464, "heartbeat-server": 9465, "simulator": 9466}
 
 
 # What the embedded stack keeps in the state dir, and --fresh deletes.
-DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent", "ssh_key", "tls", "dev-providers.toml")
+DEV_STATE = ("temporal.db", "postgres", "sim", "logs", "agent", "ssh_key", "tls", "api", "dev-providers.toml")
 # The provider instance of `shepherd dev --inventory`.
 INVENTORY_INSTANCE = "static"
 
@@ -75,7 +80,11 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
     (no limit), the heartbeat server listens on every interface at the port of --agent-endpoint, and the BMC
     password files are the inventory's folder's unless bmc_secrets_dir says otherwise. With a providers file, its
     [[providers]] are the stack's, and --machines is how many machines a pass takes at most.
+
+    The operator API serves TLS on loopback and takes the local operator's client certificate (api_credentials);
+    the worker trusts its signing key, and still accepts requests sent straight to Temporal.
     """
+    api = api_credentials(state / "api")
     endpoint = options.agent_endpoint or AGENT_ENDPOINT
     host, port = parse_endpoint(endpoint)
     certificates = local_certificates(state / "tls" if endpoint == AGENT_ENDPOINT else state / "tls" / host, host)
@@ -124,6 +133,13 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
         providers=providers,
         provider="sim",
         bmc_secrets_dir=secrets_dir,
+        api_listen=f"{API_HOST}:{API_PORT}",
+        api_signing_key_path=api.signing_key,
+        api_policy_path=api.policy,
+        api_tls_certificate_path=api.server_certificate,
+        api_tls_key_path=api.server_key,
+        api_client_ca_path=api.ca_certificate,
+        api_trusted_keys=public_key_text(load_signing_key(api.signing_key).public_key),
     ).check()
 
 
