@@ -12,6 +12,10 @@ from sqlalchemy.sql import Select
 from bmdb.base import StoreBase
 from bmdb.records import OPERATOR_ACTION_KINDS, Event
 from bmdb.schema import events, machine_provided
+from foundation.foreign_text import foreign_text
+
+# The longest an event's detail is kept: it may quote a machine, a BMC or a provider, and the log keeps it for good.
+DETAIL_LIMIT = 2000
 
 
 class EventLog(StoreBase):
@@ -21,7 +25,9 @@ class EventLog(StoreBase):
         self, machine_id: uuid.UUID | None, kind: str, detail: str = "", *, at: datetime | None = None
     ) -> bool:
         """Append an event, at now or at `at`; with `at`, False and nothing added when that event is there already
-        (a retried write whose first answer was lost)."""
+        (a retried write whose first answer was lost). The detail is kept on one line of at most DETAIL_LIMIT
+        characters, its control characters escaped."""
+        detail = foreign_text(detail, DETAIL_LIMIT)
         async with self.engine.begin() as conn:
             if at is not None:
                 same = select(events.c.event_id).where(

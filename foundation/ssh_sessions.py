@@ -21,9 +21,13 @@ from typing import Any
 import asyncssh
 from asyncssh.public_key import get_default_public_key_algs
 
+from foundation.foreign_text import foreign_text
+
 # What a command writes to its standard error is read to the end, but only this much of its end is kept.
 STDERR_KEPT = 64 << 10
 READ_CHUNK = 64 << 10
+# The longest an error quotes what the machine or the network said (a disconnect reason, an SFTP refusal).
+DETAIL_LIMIT = 500
 _CONNECTING = "opening the session"
 
 
@@ -80,6 +84,8 @@ class SSHSessionError(Exception):
         time_limit: float | None = None,
         path: str | None = None,
     ) -> None:
+        # The detail is mostly the server's words: a hostile sshd's disconnect reason may be 200 KB of escapes.
+        detail = foreign_text(detail, DETAIL_LIMIT)
         super().__init__(f"SSH to {host_port} failed ({failure}) while {doing}: {detail}")
         self.failure = failure
         self.host_port = host_port
@@ -195,7 +201,8 @@ class SSHSession:
                     stdout=stdout,
                     stderr=stderr,
                     exit_status=process.exit_status,
-                    exit_signal=signal[0] if signal else None,
+                    # The signal's name is the server's word, as any other.
+                    exit_signal=foreign_text(signal[0], 64) if signal else None,
                 )
             except BaseException:
                 # Timed out or gave up: ask the server to kill the command so it does not run on beside the next

@@ -12,6 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from foundation.foreign_text import foreign_text
+
+# The longest a provider error's message is: it quotes what a provider's API or a BMC answered, whatever its size.
+MESSAGE_LIMIT = 1000
+
+
+def _cut_detail(result: Rebooted | Reimaged | Retired) -> None:
+    """A result's detail, the provider's own words that travel into payloads and the event log, cut and escaped."""
+    object.__setattr__(result, "detail", foreign_text(result.detail, MESSAGE_LIMIT))
+
 
 class Availability(enum.StrEnum):
     """Whether a provider machine is ours.
@@ -50,6 +60,9 @@ class Rebooted:
     went_down: bool
     detail: str = ""
 
+    def __post_init__(self) -> None:
+        _cut_detail(self)
+
 
 @dataclass(frozen=True)
 class Reimaged:
@@ -57,6 +70,9 @@ class Reimaged:
 
     # The provider's own words: what it did, and what it is doing still (Ironic's rebuild runs on after the call).
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        _cut_detail(self)
 
 
 class RetireAction(enum.StrEnum):
@@ -77,6 +93,9 @@ class Retired:
     action: RetireAction
     detail: str = ""
 
+    def __post_init__(self) -> None:
+        _cut_detail(self)
+
 
 class ProviderError(Exception):
     """A provider call failed. ``retryable`` says whether trying again may help."""
@@ -84,7 +103,8 @@ class ProviderError(Exception):
     retryable = True
 
     def __init__(self, provider: str, message: str) -> None:
-        super().__init__(f"provider {provider}: {message}")
+        # Every provider's errors pass here, with the answer they quote: cut and escaped once, for all of them.
+        super().__init__(foreign_text(f"provider {provider}: {message}", MESSAGE_LIMIT))
         self.provider = provider
 
 

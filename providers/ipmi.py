@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from pyghmi import exceptions as pyghmi_exc
 from pyghmi.ipmi.command import Command
 
+from foundation.foreign_text import foreign_text
 from providers import ProviderError, ProviderProtocolError
 from providers.power import (
     BmcCredentialsRejected,
@@ -220,7 +221,9 @@ class IpmiPowerControl:
         try:
             bmc.ipmi_session.logout()
         except (pyghmi_exc.PyghmiException, OSError, *_MALFORMED) as exc:
-            LOG.warning("could not log out of %s: %s", self._where, scrubbed(self._endpoint.password, str(exc)))
+            LOG.warning(
+                "could not log out of %s: %s", self._where, foreign_text(scrubbed(self._endpoint.password, str(exc)))
+            )
 
     async def _call(self, call: Callable[[], T]) -> T:
         """Run one blocking pyghmi call in a thread, its errors as ProviderErrors."""

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from foundation.foreign_text import foreign_text
 from providers import MachineNotFound, ProviderError, ProviderProtocolError, ProviderUnavailable
 
 # The microversion every other call asks for: config drives as JSON (1.56), and every node field read here.
@@ -387,9 +388,9 @@ def _fault(response: Any) -> str:
         if isinstance(inner, dict):
             text = inner.get("faultstring") or inner.get("description") or inner.get("title")
             if isinstance(text, str) and text:
-                return " ".join(text.split())[:500]
+                return foreign_text(" ".join(text.split()), 500)
         if isinstance(message, str):
-            return " ".join(message.split())[:500]
+            return foreign_text(" ".join(message.split()), 500)
     except ValueError:
         pass
-    return " ".join(str(response.text).split())[:200] or "(no body)"
+    return foreign_text(" ".join(str(response.text).split()), 200) or "(no body)"

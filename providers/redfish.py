@@ -20,6 +20,7 @@ from sushy import auth as sushy_auth
 from sushy import exceptions as sushy_exc
 from sushy.resources.constants import PowerState, ResetType
 
+from foundation.foreign_text import foreign_text
 from providers import ProviderError, ProviderProtocolError
 from providers.power import (
     BmcCredentialsRejected,
@@ -267,7 +268,9 @@ class RedfishPowerControl:
         try:
             auth.close()
         except (sushy_exc.SushyError, ValueError) as exc:
-            LOG.warning("could not log out of %s: %s", self._where, scrubbed(self._endpoint.password, str(exc)))
+            LOG.warning(
+                "could not log out of %s: %s", self._where, foreign_text(scrubbed(self._endpoint.password, str(exc)))
+            )
 
     async def _call(self, call: Callable[[], T]) -> T:
         """Run one blocking sushy call in a thread, its errors as ProviderErrors."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from lifecycle.machine_text import failure_text
 
 
 def _innermost(error: BaseException) -> BaseException:
@@ -12,11 +16,14 @@ def _innermost(error: BaseException) -> BaseException:
 
 
 def describe_failure(error: BaseException) -> str:
-    """The innermost message of an activity failure: what went wrong on the machine."""
+    """The innermost message of an activity failure: what went wrong on the machine, on one line cut to a length.
+
+    It is kept in the status, which rides along through every continue-as-new, and shown in the UI and the log:
+    whatever an activity let through of a machine's or a provider's words is cut here at the latest."""
     cause = _innermost(error)
     if isinstance(cause, ApplicationError) and cause.type:
-        return f"{cause.type}: {cause.message}"
-    return str(cause)
+        return failure_text(f"{cause.type}: {cause.message}")
+    return failure_text(str(cause))
 
 
 def failure_type(error: BaseException) -> str | None:
