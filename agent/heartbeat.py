@@ -33,6 +33,9 @@ STREAM_RETRY_AFTER = 3600.0
 # between half of it and all of it, so the refused agents do not come back in step), then the stream is tried
 # again: a stream freed meanwhile is taken up, and a server still full costs one refusal an agent a while.
 STREAM_REFUSED_RETRY_AFTER = 600.0
+# How long refusals must go on, once a heartbeat was accepted, before the agent stops, when its TakeoverInit does
+# not say (an older Shepherd): Shepherd's default heartbeat timeout.
+REFUSED_FOR_BEFORE_STOPPING = 600.0
 Outcome = agent_api_pb2.HeartbeatResponse.Outcome
 # A unary Heartbeat call: the request and the seconds to wait for its answer.
 UnaryCall = Callable[[agent_api_pb2.HeartbeatRequest, float], agent_api_pb2.HeartbeatResponse]
@@ -111,9 +114,11 @@ class HeartbeatLoop:
 
     A heartbeat server that cannot be reached, or answers with an error, is retried for as long as it takes,
     with capped exponential back-off and jitter (retry_delay): an outage on Shepherd's side, however long,
-    must not leave the fleet without agents. Once a heartbeat was accepted, an answer that the agent is
-    unknown or its key wrong means a newer agent took over: this one stops. (Before that, Shepherd may simply
-    not have recorded the key yet.) stop_reason tells, on the machine itself, why the agent must stop, or None:
+    must not leave the fleet without agents. A refusal (the agent unknown, its key wrong) is retried too: a
+    heartbeat server pointed at the wrong BMDB, or a restored one, refuses every agent that reaches it, and must
+    not stop them all. Only refusals that go on for refused_for_before_stopping after a heartbeat was accepted
+    (Shepherd's heartbeat timeout, past which it recovers the machine anyway) stop the agent, or the evidence on
+    the machine itself: stop_reason tells why the agent must stop, or None:
     a newer agent has taken over (the reference agent: agent.key holds another key), which also stops an agent
     whose key Shepherd never recorded (its takeover's worker died before it could), or the machine is being
     decommissioned (agent.key removed).
@@ -134,6 +139,8 @@ class HeartbeatLoop:
         rng: random.Random | None = None,
         stop_reason: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.time,
+        refused_for_before_stopping: float = REFUSED_FOR_BEFORE_STOPPING,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.machine_id = machine_id
         self.key = key
@@ -148,6 +155,8 @@ class HeartbeatLoop:
         self.rng = rng or random.Random(os.urandom(16))
         self.stop_reason = stop_reason
         self.clock = clock
+        self.refused_for_before_stopping = refused_for_before_stopping
+        self.monotonic = monotonic
         # Milliseconds to add to this machine's clock to be on the server's, as a stale refusal told.
         self.clock_offset_ms = 0
         self.last_sent_ms = 0
@@ -188,6 +197,8 @@ class HeartbeatLoop:
         # Until when the unary call is used: for ever when a call was given, for a while after UNIMPLEMENTED.
         unary_until = float("inf") if channel is None else 0.0
         accepted_once = False
+        # Since when (time.monotonic()) every answer has been a refusal, once a heartbeat was accepted.
+        refused_since: float | None = None
         failures = 0
         try:
             while True:
@@ -232,11 +243,21 @@ class HeartbeatLoop:
                         self.log(f"heartbeat accepted again after {failures} failure(s)")
                     failures = 0
                     accepted_once = True
+                    refused_since = None
                     wait = response.next_heartbeat_in_ms / 1000 if response.next_heartbeat_in_ms > 0 else self.interval
                     sleep(wait)
                     continue
                 if accepted_once and outcome == Outcome.NOT_ACCEPTED:
-                    return f"heartbeat refused ({response.message}): a newer agent has taken over"
+                    now = self.monotonic()
+                    if refused_since is None:
+                        refused_since = now
+                        self.log(
+                            f"heartbeat refused ({response.message}) after being accepted: retrying for "
+                            f"{self.refused_for_before_stopping:.0f}s before taking it that a newer agent runs"
+                        )
+                    elif now - refused_since >= self.refused_for_before_stopping:
+                        refused_for = f"{now - refused_since:.0f}s"
+                        return f"heartbeat refused ({response.message}) for {refused_for}: a newer agent has taken over"
                 if outcome == Outcome.STALE and self._correct_clock(response.server_time_unix_ms):
                     # Sent again at once in the server's time; a second refusal backs off as any failure.
                     continue

@@ -181,7 +181,7 @@ def run_daemon() -> int:
 
 def heartbeat(init: takeover_pb2.TakeoverInit, key: AgentKey) -> None:
     """Send heartbeats signed with key until the agent is replaced or stopped, logging to agent.log."""
-    from agent.heartbeat import HeartbeatLoop
+    from agent.heartbeat import REFUSED_FOR_BEFORE_STOPPING, HeartbeatLoop
 
     directory = state_dir()
     key_path = directory / KEY_FILE
@@ -189,7 +189,13 @@ def heartbeat(init: takeover_pb2.TakeoverInit, key: AgentKey) -> None:
     log_path = directory / LOG_FILE
 
     def log(line: str) -> None:
-        with log_path.open("a") as file:
+        # Never through a symbolic link: in a directory others may write to, agent.log could be made to point at
+        # any file root may write, and the agent would append to it.
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return  # a link in its place (ELOOP), or the directory gone: the heartbeats go on without the line
+        with os.fdopen(fd, "a") as file:
             file.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
     log(f"agent for machine {init.machine_id} sending heartbeats to {init.endpoint}")
@@ -205,7 +211,15 @@ def heartbeat(init: takeover_pb2.TakeoverInit, key: AgentKey) -> None:
             pass
         return None
 
-    loop = HeartbeatLoop(init.machine_id, key, init.endpoint, trusted_cas(init), log=log, stop_reason=stop_reason)
+    loop = HeartbeatLoop(
+        init.machine_id,
+        key,
+        init.endpoint,
+        trusted_cas(init),
+        log=log,
+        stop_reason=stop_reason,
+        refused_for_before_stopping=init.refused_for_seconds_before_stopping or REFUSED_FOR_BEFORE_STOPPING,
+    )
     try:
         log(f"stopped: {loop.run()}")
     except Exception as error:  # the daemon has no one else to tell

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foundation.setting_values import SettingsError
+from foundation.setting_values import SettingsError, is_finite_number
 
 # A provider instance's name is part of workflow ids, schedule ids and task queues.
 INSTANCE_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
@@ -42,8 +42,10 @@ def provider_instances(value: Any, path: Path) -> tuple[ProviderInstance, ...]:
         if not isinstance(kind, str) or not kind:
             raise SettingsError("providers", f"{where} ({name}): type must name a provider type, got {kind!r}")
         rate = table.get("activities_per_second", 0.0)
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or rate < 0:
-            raise SettingsError("providers", f"{where} ({name}): activities_per_second must be >= 0, got {rate!r}")
+        if not is_finite_number(rate) or rate < 0:
+            raise SettingsError(
+                "providers", f"{where} ({name}): activities_per_second must be a finite number >= 0, got {rate!r}"
+            )
         options = {key: option for key, option in table.items() if key not in _INSTANCE_KEYS}
         instances.append(ProviderInstance(name, kind, options, float(rate)))
     names = [instance.name for instance in instances]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from urllib.parse import urlsplit
 
@@ -26,6 +27,12 @@ def check_listen_address(setting: str, value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise SettingsError(setting, f"must be host:port, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether value is a number a setting may hold: an int or a float (not a bool), neither nan nor infinite. TOML
+    writes nan and inf as numbers; nan passes every comparison, and inf makes timers that never fire."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

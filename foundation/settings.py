@@ -122,6 +122,19 @@ class Settings:
         "Heartbeat streams one server process keeps open at once from one address, so one host cannot take them all "
         "(0: no limit; behind a proxy that hides the agents' addresses)",
     )
+    heartbeat_ipv6_prefix: int = _setting(
+        64, "Prefix length an IPv6 address is counted by in the per-address limits: a host holds a whole /64"
+    )
+    heartbeat_key_reads_per_address: float = _setting(
+        20.0,
+        "BMDB reads of an agent key a second that heartbeats from one address may cause (a key not cached, or one "
+        "that did not verify), in bursts of twice that; past it they are refused as if unknown (0: no limit)",
+    )
+    heartbeat_key_reads: float = _setting(
+        1000.0,
+        "BMDB reads of an agent key a second that all heartbeats together may cause, in bursts of twice that "
+        "(0: no limit)",
+    )
     heartbeat_processes: int = _setting(
         1, "Heartbeat server processes sharing its port, for hosts with more cores; process i serves /metrics on port+i"
     )
@@ -192,6 +205,9 @@ class Settings:
         None, "PEM client certificate the commands show the operator API instead of a login's token"
     )
     api_client_key_path: Path | None = _setting(None, "PEM private key of api_client_certificate_path")
+    bulk_max_machines: int = _setting(
+        50, "Most machines a --where action touches on --yes alone; above it, only with --max N of at least the count"
+    )
 
     # Operator requests sent straight to Temporal, and those the operator API signs (docs/security.md)
     api_trusted_keys: str = _setting(
@@ -297,11 +313,16 @@ class Settings:
             ("heartbeat_peer_rate", 0),
             ("heartbeat_max_streams", 1),
             ("heartbeat_max_streams_per_address", 0),
+            ("heartbeat_key_reads_per_address", 0),
+            ("heartbeat_key_reads", 0),
             ("heartbeat_processes", 1),
             ("api_max_streams", 1),
+            ("bulk_max_machines", 1),
         ):
             if getattr(self, name) < low:
                 raise SettingsError(name, f"must be at least {low}, got {getattr(self, name)}")
+        if not 1 <= self.heartbeat_ipv6_prefix <= 128:
+            raise SettingsError("heartbeat_ipv6_prefix", f"must be 1 to 128, got {self.heartbeat_ipv6_prefix}")
         if not 0 < self.recovery_hold_fraction <= 1:
             fraction = self.recovery_hold_fraction
             raise SettingsError("recovery_hold_fraction", f"must be above 0 and at most 1, got {fraction}")

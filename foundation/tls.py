@@ -11,6 +11,7 @@ import datetime
 import ipaddress
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -291,15 +292,24 @@ class ReloadedKeyPair:
 
     While nothing changed, a look costs two stat calls. A new pair that cannot be used (a file half written, a key
     that is not the certificate's, a certificate expired) is logged once a change, naming the file, and the pair
-    before it is used on; one not valid yet is taken not_before_margin after its validity begins. At start there
-    is no pair before: CertificateProblem. Looks may come from several threads.
+    before it is used on; one not valid yet is taken not_before_margin after its validity begins. check is asked of
+    every pair read, and refuses one (CertificateProblem) that its users would not accept. on_refused hears of each
+    new pair refused. At start there is no pair before: CertificateProblem. Looks may come from several threads.
     """
 
     def __init__(
-        self, certificate_path: Path, key_path: Path, *, what: str, not_before_margin: float = NOT_BEFORE_MARGIN
+        self,
+        certificate_path: Path,
+        key_path: Path,
+        *,
+        what: str,
+        not_before_margin: float = NOT_BEFORE_MARGIN,
+        check: Callable[[list[x509.Certificate], str], None] = lambda chain, where: None,
+        on_refused: Callable[[CertificateProblem], None] = lambda problem: None,
     ) -> None:
         self.certificate_path, self.key_path, self.what = certificate_path, key_path, what
         self.not_before_margin = datetime.timedelta(seconds=not_before_margin)
+        self._check, self._on_refused = check, on_refused
         self._lock = threading.Lock()
         # Stat'ed before the first read, so that a write after it is read at the next look.
         self._files = FileChanges(certificate_path, key_path)
@@ -324,6 +334,7 @@ class ReloadedKeyPair:
         chain = load_key_pair(
             certificate, key, str(self.certificate_path), str(self.key_path), not_before_margin=not_before_margin
         )
+        self._check(chain, str(self.certificate_path))
         return chain, (certificate, key)
 
     def _reload_if_changed(self) -> bool:
@@ -339,6 +350,7 @@ class ReloadedKeyPair:
             if isinstance(problem, NotValidYet):
                 self._retry_at = problem.valid_from
             log.warning("%s not reloaded, the one before is used on: %s", self.what, problem)
+            self._on_refused(problem)
             return False
         if pems == self.pems:
             return False  # touched or copied over with the same contents

@@ -183,15 +183,18 @@ def _unreadable(value: object) -> str:
 @dataclass(frozen=True)
 class OperatorRequest(_Asked):
     """The argument of release, decommission, restart_agent and retry_now: ``{"reason": ..., "by": ...}``, and the
-    operator API's ``"proof"`` when it comes through the API."""
+    operator API's ``"proof"`` when it comes through the API. ``"force": true`` lets a decommission override
+    another operator's maintenance, which it otherwise refuses naming it."""
 
     reason: str = ""
     by: str = "unknown"
     proof: Signature | None = None
+    force: bool = False
 
     def signed(self) -> dict[str, object]:
-        """What of the request the API's proof signs besides who asked."""
-        return {"reason": self.reason}
+        """What of the request the API's proof signs besides who asked; force only when given, so a proof made
+        before force existed still checks."""
+        return {"reason": self.reason} | ({"force": True} if self.force else {})
 
     def require_reason(self, why: str) -> None:
         """ValueError, asking why, when the request gives no reason."""
@@ -202,7 +205,8 @@ class OperatorRequest(_Asked):
     def from_wire(cls, value: object) -> "OperatorRequest":
         """From the JSON an operator sent: this dataclass, or the reason alone."""
         if isinstance(value, dict):
-            return cls(_text(value.get("reason"), 500), _operator(value.get("by")), _proof(value.get("proof")))
+            reason, by, proof = _text(value.get("reason"), 500), _operator(value.get("by")), _proof(value.get("proof"))
+            return cls(reason, by, proof, force=value.get("force") is True)
         return cls(_text(value, 500))
 
 

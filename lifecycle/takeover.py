@@ -74,6 +74,9 @@ class TakeoverSettings:
     connect_timeout: float
     # Upload and run together.
     exec_timeout: float
+    # How long an agent whose heartbeats were accepted goes on through refusals before it stops: the heartbeat
+    # timeout, past which the watchdog recovers the machine anyway.
+    heartbeat_timeout: float = 0.0
 
     @classmethod
     def of(
@@ -91,6 +94,7 @@ class TakeoverSettings:
             ca_certificates=ca_certificates,
             connect_timeout=settings.ssh_connect_timeout,
             exec_timeout=settings.ssh_exec_timeout,
+            heartbeat_timeout=settings.heartbeat_timeout,
         )
 
 
@@ -120,6 +124,7 @@ def takeover_init(machine_id: str, settings: TakeoverSettings) -> takeover_pb2.T
         # The first alone too, for agents that know only that field: they trust the CA first in the bundle.
         ca_certificate=settings.ca_certificates[0] if settings.ca_certificates else b"",
         ca_certificates=settings.ca_certificates,
+        refused_for_seconds_before_stopping=max(0, round(settings.heartbeat_timeout)),
     )
 
 

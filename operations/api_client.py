@@ -97,6 +97,8 @@ class ApiOperatorClient:
         if route is None:
             raise OperatorError(f"the operator API does not send {update}")
         body: dict[str, Any] = {"reason": request.reason} if request.reason else {}
+        if isinstance(request, OperatorRequest) and request.force:
+            body["force"] = True
         if isinstance(request, MaintenanceRequest):
             body |= {"on": bool(request.on)} | ({"recover": True} if request.recover else {})
         return await self._answer(f"/v1/machines/{_segment(name)}/{route}", body)

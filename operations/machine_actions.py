@@ -27,6 +27,7 @@ from lifecycle.contracts import (
 from operations.connections import Connections, OperatorError
 from operations.machine_names import describe_workflow, resolve_machine, running_machine_workflow
 from operations.machine_reads import machine_status
+from operations.policy_file import query_problem
 
 # Long enough for any operator's note, short enough for a status line.
 MAX_REASON_LENGTH = 500
@@ -126,8 +127,12 @@ class MachineActions(Connections):
             return "in an unknown stage (no worker answered the status query)"
 
     async def select(self, where: str) -> list[Target]:
-        """The running machine workflows a visibility query selects, by workflow id; InvalidQuery when Temporal
-        refuses the query."""
+        """The running machine workflows a visibility query selects, by workflow id; InvalidQuery when the query
+        could reach past the running machines it is ANDed with, or Temporal refuses it."""
+        problem = query_problem(where)
+        if problem:
+            # Checked here, not left to Temporal: "x) OR (y" is a query it accepts, selecting beyond machines.
+            raise InvalidQuery(f"--where {where!r} {problem}: nothing selected")
         query = f"{RUNNING_MACHINES} AND ({where})"
         targets = []
         try:

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from bmdb.store import BMDB
 from foundation.precise_sleep import precise_sleep
+from processes.heartbeat_admission import REQUEST_ADDRESS, KeyReads
 from proto import agent_api_pb2
 from proto.signing import signing_payload
 
@@ -176,8 +177,12 @@ class AgentKeys:
         unknown_for: float,
         cache_size: int = KEY_CACHE_SIZE,
         sleep: Callable[[float], Awaitable[None]] = precise_sleep,
+        reads: KeyReads | None = None,
     ) -> None:
         self.bmdb = bmdb
+        # The BMDB reads requests may cause; past them a request is answered as one for an unknown machine.
+        self.reads = reads or KeyReads(0, 0)
+        self.reads_refused = 0
         self.signatures = SignatureChecks()
         self.key_read_time = StandIn(sleep)
         self._keys: OrderedDict[uuid.UUID, bytes] = OrderedDict()
@@ -213,6 +218,12 @@ class AgentKeys:
         now = time.monotonic()
         if self._unknown.get(machine_id, 0.0) > now:
             # Waiting costs neither BMDB nor CPU, and a prober cannot renew the entry: it lapses after an interval.
+            await self.key_read_time.wait()
+            key = None
+        elif not self.reads.allow(REQUEST_ADDRESS.get()):
+            # Past the reads its address (or everyone) may cause: refused as an unknown machine, in the same time.
+            # A real agent refused so retries, and its next heartbeat finds a budget again.
+            self.reads_refused += 1
             await self.key_read_time.wait()
             key = None
         else:

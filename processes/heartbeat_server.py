@@ -21,6 +21,8 @@ from cryptography import x509
 from sqlalchemy.exc import SQLAlchemyError
 
 from bmdb.migrate import open_bmdb
+from foundation.agent_trust import AgentTrust
+from foundation.bmdb_tls import log_bmdb_tls_warnings
 from foundation.logs import configure_logging
 from foundation.metrics import (
     HEARTBEAT_SERVER_CERTIFICATE,
@@ -28,10 +30,10 @@ from foundation.metrics import (
     meter_of,
     metrics_runtime,
 )
-from foundation.setting_values import SettingsError, check_listen_address
+from foundation.setting_values import SettingsError, check_listen_address, parse_endpoint
 from foundation.settings import Settings
 from foundation.startup import StartupError
-from foundation.tls import NOT_BEFORE_MARGIN, CertificateProblem, ReloadedKeyPair
+from foundation.tls import NOT_BEFORE_MARGIN, CertificateProblem, ReloadedKeyPair, agent_ca_bundle_file
 from processes.heartbeat_service import HeartbeatService
 from proto import agent_api_pb2
 
@@ -62,7 +64,8 @@ class ServingCertificate:
 
     gRPC calls fetch before every TLS handshake, so each new connection gets the pair now on disk and the
     connections already open keep theirs: renewing the files needs no restart and refuses no agent. Each process of
-    --processes N holds its own and reloads on its own.
+    --processes N holds its own and reloads on its own. With trust, a pair the agents would refuse (another name,
+    another CA) is not served: at start a SettingsError, later the pair before serves on and on_refused hears of it.
     """
 
     def __init__(
@@ -72,11 +75,18 @@ class ServingCertificate:
         *,
         on_change: Callable[[], None] = lambda: None,
         not_before_margin: float = NOT_BEFORE_MARGIN,
+        trust: AgentTrust | None = None,
+        on_refused: Callable[[CertificateProblem], None] = lambda problem: None,
     ) -> None:
         self.on_change = on_change
         try:
             self.pair = ReloadedKeyPair(
-                certificate_path, key_path, what="heartbeat server certificate", not_before_margin=not_before_margin
+                certificate_path,
+                key_path,
+                what="heartbeat server certificate",
+                not_before_margin=not_before_margin,
+                check=trust.check if trust is not None else lambda chain, where: None,
+                on_refused=on_refused,
             )
         except CertificateProblem as problem:
             setting = "heartbeat_tls_key_path" if problem.where == str(key_path) else "heartbeat_tls_certificate_path"
@@ -175,6 +185,23 @@ def build_server(
     return server, port
 
 
+def agent_trust(settings: Settings) -> AgentTrust:
+    """What the agents check of the server's certificate, as far as this process's settings say: the host of
+    agent_endpoint and the CA bundle of agent_endpoint_ca_certificate_path, each when set."""
+    host = None
+    if settings.agent_endpoint:
+        try:
+            host, _ = parse_endpoint(settings.agent_endpoint)
+        except ValueError as error:
+            raise SettingsError("agent_endpoint", str(error)) from None
+        # An IPv6 endpoint is written [address]:port.
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    bundle = None
+    if settings.agent_endpoint_ca_certificate_path is not None:
+        bundle = agent_ca_bundle_file(settings.agent_endpoint_ca_certificate_path).current
+    return AgentTrust(host, bundle)
+
+
 def raise_open_files_limit() -> int:
     """Raise the soft limit on open files to the hard one, and return it. An agent holds a connection, and a
     connection is a file: systemd starts a service with a soft limit of 1,024, past which gRPC's core stops
@@ -205,14 +232,27 @@ async def run_heartbeat_server(
             # Called on a thread of gRPC's core too; the gauge is set on the event loop.
             loop.call_soon_threadsafe(expiry.refresh)
 
+        refused = meter_of(runtime).create_counter(
+            "shepherd_heartbeat_certificate_reloads_refused_total",
+            "New heartbeat server certificates not served (unusable, or refused by the agents' checks); the one "
+            "before serves on",
+        )
+
+        def refuse(problem: CertificateProblem) -> None:
+            loop.call_soon_threadsafe(refused.add, 1)
+
         tls = ServingCertificate(
-            settings.heartbeat_tls_certificate_path, settings.heartbeat_tls_key_path, on_change=reloaded
+            settings.heartbeat_tls_certificate_path,
+            settings.heartbeat_tls_key_path,
+            on_change=reloaded,
+            trust=agent_trust(settings),
+            on_refused=refuse,
         )
         expiry.watch(HEARTBEAT_SERVER_CERTIFICATE, tls.current)
     expiry.watch_bmdb_client(database_url)
-    bmdb = await open_bmdb(
-        database_url, setting="heartbeat_database_url" if settings.heartbeat_database_url else "database_url"
-    )
+    setting = "heartbeat_database_url" if settings.heartbeat_database_url else "database_url"
+    log_bmdb_tls_warnings(log, {setting: database_url})
+    bmdb = await open_bmdb(database_url, setting=setting)
     service = HeartbeatService(
         bmdb,
         interval=settings.heartbeat_interval,
@@ -225,6 +265,9 @@ async def run_heartbeat_server(
         max_streams=settings.heartbeat_max_streams,
         # Keyed by address as peer_rate is: behind a proxy that hides the agents' addresses, 0 turns it off.
         max_streams_per_address=settings.heartbeat_max_streams_per_address,
+        ipv6_prefix=settings.heartbeat_ipv6_prefix,
+        key_reads_per_address=settings.heartbeat_key_reads_per_address,
+        key_reads=settings.heartbeat_key_reads,
     )
     try:
         server, _ = build_server(service, settings.heartbeat_listen, tls, share_port=share_port)

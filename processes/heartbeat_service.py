@@ -31,7 +31,7 @@ from bmdb.heartbeat_batcher import HeartbeatBatcher
 from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.logs import ThrottledLog
 from foundation.precise_sleep import precise_sleep
-from processes.heartbeat_admission import AddressRates
+from processes.heartbeat_admission import REQUEST_ADDRESS, AddressRates, KeyReads, address_of
 from processes.heartbeat_auth import KEY_CACHE_SIZE, AgentKeys
 from proto import SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE
@@ -67,6 +67,9 @@ TOO_MANY_STREAMS_FROM_ADDRESS_LOG = (
 
 # Machines whose clock skew was logged, remembered so each is logged once.
 SKEW_LOGGED_SIZE = 10_000
+# Machines whose clock skew is logged by name, at most, each SKEW_LINES_EVERY seconds; the others are counted.
+SKEW_LINES = 20
+SKEW_LINES_EVERY = 60.0
 
 # Heartbeats handled at once, over both calls; beyond it a heartbeat is answered RETRY_LATER on a stream and
 # RESOURCE_EXHAUSTED on the unary call, and the agent backs off and retries.
@@ -140,13 +143,25 @@ class HeartbeatService:
         max_in_flight: int = MAX_IN_FLIGHT,
         max_streams: int = MAX_STREAMS,
         max_streams_per_address: int = MAX_STREAMS_PER_ADDRESS,
+        ipv6_prefix: int = 64,
+        key_reads_per_address: float = 0.0,
+        key_reads: float = 0.0,
     ) -> None:
         self.bmdb = bmdb
         self.batcher = HeartbeatBatcher(bmdb)
-        self.agent_keys = AgentKeys(bmdb, unknown_for=interval, cache_size=key_cache_size, sleep=sleep)
+        self.agent_keys = AgentKeys(
+            bmdb,
+            unknown_for=interval,
+            cache_size=key_cache_size,
+            sleep=sleep,
+            reads=KeyReads(key_reads_per_address, key_reads),
+        )
+        self.ipv6_prefix = ipv6_prefix
         # An id known to have no agent key is answered after as long as reading one from BMDB takes.
         self.key_read_time = self.agent_keys.key_read_time
         self._skew_logged: OrderedDict[uuid.UUID, None] = OrderedDict()
+        # The machines named in the skew log since the window began, and those counted without a name.
+        self._skew_window, self._skew_named, self._skew_unnamed = time.monotonic(), 0, 0
         self.address_rates = AddressRates(peer_rate, peer_burst)
         # A flood of junk or a BMDB outage must not flood the log too: every rejection is counted in
         # shepherd_heartbeat_requests_total, and logged a line a kind every REJECTION_LOG_EVERY seconds.
@@ -201,7 +216,9 @@ class HeartbeatService:
         """The unary Heartbeat: an accepted heartbeat's answer, or the refusal's gRPC status."""
         peer = context.peer() or "unknown"
         try:
-            response = await self._within_limits(_host_of(peer), lambda: self.check_and_record(request_bytes))
+            response = await self._within_limits(
+                address_of(peer, self.ipv6_prefix), lambda: self.check_and_record(request_bytes)
+            )
         except HeartbeatRejected as rejection:
             self._count(rejection.result)
             self._log_rejection(rejection.result, peer)
@@ -215,7 +232,7 @@ class HeartbeatService:
         """The Heartbeats stream: each heartbeat answered with its outcome before the next is read, so the
         checks, and the time a refusal takes, are those of a unary call a message."""
         peer = context.peer() or "unknown"
-        host = _host_of(peer)
+        host = address_of(peer, self.ipv6_prefix)
         if self.streams >= self.max_streams:
             self._count("too_many_streams", "stream")
             self._log_now_and_then(logging.WARNING, "too_many_streams", TOO_MANY_STREAMS_LOG, self.max_streams)
@@ -293,6 +310,7 @@ class HeartbeatService:
         if self.in_flight >= self.max_in_flight:
             _reject(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", BUSY)
         self.in_flight += 1
+        REQUEST_ADDRESS.set(host)
         try:
             return await record()
         finally:
@@ -364,12 +382,31 @@ class HeartbeatService:
         self._log_now_and_then(logging.INFO, result, "heartbeat rejected (%s) from %s", result, peer)
 
     def _note_skew(self, machine_id: uuid.UUID, behind_ms: int) -> None:
-        """Log a machine's clock skew once (a bounded memory of the machines logged): its agent corrects it."""
+        """Log a machine's clock skew once (a bounded memory of the machines logged): its agent corrects it.
+
+        A stale request needs no signature, so anyone can send them under ids of their choosing: at most
+        SKEW_LINES machines are named each SKEW_LINES_EVERY seconds, the others counted in the next line.
+        """
         if machine_id in self._skew_logged:
             return
         self._skew_logged[machine_id] = None
         if len(self._skew_logged) > SKEW_LOGGED_SIZE:
             self._skew_logged.popitem(last=False)
+        now = time.monotonic()
+        if now - self._skew_window >= SKEW_LINES_EVERY:
+            self._skew_window, self._skew_named = now, 0
+            if self._skew_unnamed:
+                log.warning(
+                    "%d more machines' clocks were off beyond the accepted skew, not named (at most %d a %.0fs)",
+                    self._skew_unnamed,
+                    SKEW_LINES,
+                    SKEW_LINES_EVERY,
+                )
+                self._skew_unnamed = 0
+        if self._skew_named >= SKEW_LINES:
+            self._skew_unnamed += 1
+            return
+        self._skew_named += 1
         log.warning(
             "the clock of machine %s is %.0fs %s the server's (at most %.0fs accepted); its agent is told the "
             "server's time",
@@ -378,9 +415,3 @@ class HeartbeatService:
             "behind" if behind_ms > 0 else "ahead of",
             self.max_skew_ms / 1000,
         )
-
-
-def _host_of(peer: str) -> str:
-    """The address of a gRPC peer ("ipv4:10.0.0.7:51234", "ipv6:[::1]:51234"), without its port."""
-    address = peer.partition(":")[2] or peer
-    return address.rpartition(":")[0] or address

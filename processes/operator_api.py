@@ -23,6 +23,7 @@ from aiohttp import web
 from temporalio.client import Client
 
 from bmdb.store import MachineRecord
+from foundation.bmdb_tls import log_bmdb_tls_warnings
 from foundation.operator_certificates import CertificateRefused, ask_client_certificates, peer_identity
 from foundation.operator_proof import ProofSigner
 from foundation.operator_tokens import IssuerUnavailable, OperatorIdentity, TokenRefused, TokenVerifier
@@ -287,7 +288,7 @@ class OperatorApi:
         if route.action == "maintenance":
             request = MaintenanceRequest(body["on"], reason, subject, body.get("recover", False))
         else:
-            request = OperatorRequest(reason, subject)
+            request = OperatorRequest(reason, subject, force=body.get("force") is True)
         workflow_id = machine_workflow_id(record.provider, record.provider_id)
         async with await self.operators_for(asked) as operators:
             try:
@@ -328,6 +329,7 @@ def _tls_context(settings: Settings) -> ssl.SSLContext | None:
 async def run_operator_api(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
     """Serve the operator API until SIGTERM/SIGINT (or stop is set); settings checked by check_api()."""
     assert settings.api_signing_key_path is not None and settings.api_policy_path is not None
+    log_bmdb_tls_warnings(log, {"database_url": settings.database_url})
     signer = load_signing_key(settings.api_signing_key_path)
     policy = ReloadedPolicy(settings.api_policy_path)
     temporal = await connect_temporal(settings)

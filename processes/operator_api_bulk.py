@@ -71,6 +71,8 @@ def bulk_request(action: str, body: dict[str, Any], by: str) -> BulkRequest:
             raise ApiError(400, "field 'recover' goes with on false")
     elif on is not None or "recover" in body:
         raise ApiError(400, f"fields 'on' and 'recover' go with maintenance, not {action}")
+    if "force" in body and action != DECOMMISSION:
+        raise ApiError(400, f"field 'force' goes with decommission, not {action}")
     reason = body.get("reason")
     if reason is None and not (action == MAINTENANCE and not on):
         raise ApiError(400, f"field 'reason' is missing: {action} needs a reason")
@@ -80,7 +82,7 @@ def bulk_request(action: str, body: dict[str, Any], by: str) -> BulkRequest:
     elif action in (RECOVER, REIMAGE):
         asked = RecoveryRequest(reason or "", by, reimage=action == REIMAGE)
     else:
-        asked = OperatorRequest(reason or "", by)
+        asked = OperatorRequest(reason or "", by, force=body.get("force") is True)
     return BulkRequest(action, body["where"].strip(), asked, bool(body.get("dry_run", False)), confirm)
 
 

@@ -171,6 +171,7 @@ FLEET_ROUTES = (
             Field("confirm", int, False, "the count of machines, where the policy asks for it to be typed"),
             Field("on", bool, False, "maintenance: true into it, false back to automation"),
             Field("recover", bool, False, "maintenance with on false: reboot it and take it over again"),
+            Field("force", bool, False, "decommission: also machines in maintenance, which refuse it otherwise"),
         ),
     ),
 )
@@ -196,7 +197,14 @@ ROUTES = (
         RESTART_AGENT_UPDATE,
         "a new takeover without a reboot, as `shepherd restart-agent`",
     ),
-    _machine_request("decommission", DECOMMISSION, DECOMMISSION_UPDATE, "retire a machine for good"),
+    _machine_request(
+        "decommission",
+        DECOMMISSION,
+        DECOMMISSION_UPDATE,
+        "retire a machine for good",
+        _REASON,
+        Field("force", bool, False, "true: also a machine in maintenance, which is refused naming it otherwise"),
+    ),
     _machine_request("release", RELEASE, RELEASE_UPDATE, "release a quarantined machine, as `shepherd release`"),
     _machine_action(
         "recover", RECOVER, RECOVER_UPDATE, "reboot a machine and take it over again, as `shepherd recover`"

@@ -42,6 +42,7 @@ from activities.fleet import FleetActivities
 from activities.provisioning import ProvisioningActivities
 from activities.recovery import RecoveryActivities
 from activities.takeover import TakeoverActivities
+from foundation.bmdb_tls import log_bmdb_tls_warnings
 from foundation.files import ReloadedFile
 from foundation.logs import LogContextInterceptor
 from foundation.metrics import (
@@ -330,6 +331,7 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
         runtime = metrics_runtime(settings.metrics_listen, "worker")
     except MetricsUnavailable as error:
         raise StartupError(str(error)) from None
+    log_bmdb_tls_warnings(log, {"database_url": database_url})
     client = await connect_temporal(settings, runtime)
     await check_search_attributes(client, client.namespace, SEARCH_ATTRIBUTES)
     deps = await open_activity_deps(settings, client, database_url)

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/takeover.proto\x12\x11shepherd.agent.v1\"e\n\x0cTakeoverInit\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61_certificate\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61_certificates\x18\x04 \x03(\x0c\"g\n\x0fTakeoverSuccess\x12\x35\n\x0cinit_message\x18\x01 \x01(\x0b\x32\x1f.shepherd.agent.v1.TakeoverInit\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x10\n\x08warnings\x18\x03 \x03(\t\" \n\rTakeoverError\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x86\x01\n\x10TakeoverResponse\x12\x35\n\x07success\x18\x01 \x01(\x0b\x32\".shepherd.agent.v1.TakeoverSuccessH\x00\x12\x31\n\x05\x65rror\x18\x02 \x01(\x0b\x32 .shepherd.agent.v1.TakeoverErrorH\x00\x42\x08\n\x06resultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/takeover.proto\x12\x11shepherd.agent.v1\"\x92\x01\n\x0cTakeoverInit\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61_certificate\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61_certificates\x18\x04 \x03(\x0c\x12+\n#refused_for_seconds_before_stopping\x18\x05 \x01(\r\"g\n\x0fTakeoverSuccess\x12\x35\n\x0cinit_message\x18\x01 \x01(\x0b\x32\x1f.shepherd.agent.v1.TakeoverInit\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x10\n\x08warnings\x18\x03 \x03(\t\" \n\rTakeoverError\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x86\x01\n\x10TakeoverResponse\x12\x35\n\x07success\x18\x01 \x01(\x0b\x32\".shepherd.agent.v1.TakeoverSuccessH\x00\x12\x31\n\x05\x65rror\x18\x02 \x01(\x0b\x32 .shepherd.agent.v1.TakeoverErrorH\x00\x42\x08\n\x06resultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.takeover_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TAKEOVERINIT']._serialized_start=43
-  _globals['_TAKEOVERINIT']._serialized_end=144
-  _globals['_TAKEOVERSUCCESS']._serialized_start=146
-  _globals['_TAKEOVERSUCCESS']._serialized_end=249
-  _globals['_TAKEOVERERROR']._serialized_start=251
-  _globals['_TAKEOVERERROR']._serialized_end=283
-  _globals['_TAKEOVERRESPONSE']._serialized_start=286
-  _globals['_TAKEOVERRESPONSE']._serialized_end=420
+  _globals['_TAKEOVERINIT']._serialized_start=44
+  _globals['_TAKEOVERINIT']._serialized_end=190
+  _globals['_TAKEOVERSUCCESS']._serialized_start=192
+  _globals['_TAKEOVERSUCCESS']._serialized_end=295
+  _globals['_TAKEOVERERROR']._serialized_start=297
+  _globals['_TAKEOVERERROR']._serialized_end=329
+  _globals['_TAKEOVERRESPONSE']._serialized_start=332
+  _globals['_TAKEOVERRESPONSE']._serialized_end=466
 # @@protoc_insertion_point(module_scope)

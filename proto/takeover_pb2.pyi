@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TakeoverInit(_message.Message):
-    __slots__ = ("machine_id", "endpoint", "ca_certificate", "ca_certificates")
+    __slots__ = ("machine_id", "endpoint", "ca_certificate", "ca_certificates", "refused_for_seconds_before_stopping")
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CA_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     CA_CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FOR_SECONDS_BEFORE_STOPPING_FIELD_NUMBER: _ClassVar[int]
     machine_id: str
     endpoint: str
     ca_certificate: bytes
     ca_certificates: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, machine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., ca_certificate: _Optional[bytes] = ..., ca_certificates: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    refused_for_seconds_before_stopping: int
+    def __init__(self, machine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., ca_certificate: _Optional[bytes] = ..., ca_certificates: _Optional[_Iterable[bytes]] = ..., refused_for_seconds_before_stopping: _Optional[int] = ...) -> None: ...
 
 class TakeoverSuccess(_message.Message):
     __slots__ = ("init_message", "key", "warnings")

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from foundation.provider_instances import ProviderInstance
 from foundation.redaction import redact_text, secret_name
-from foundation.setting_values import ENV_PREFIX, SettingsError, parse_duration
+from foundation.setting_values import ENV_PREFIX, SettingsError, is_finite_number, parse_duration
 from foundation.settings import Settings
 from providers import Provider
 
@@ -118,8 +118,9 @@ def duration_option(instance: ProviderInstance, option: str, default: float) -> 
             value = parse_duration(value)
         except ValueError as error:
             raise SettingsError("providers", f"instance {instance.name!r}: {option}: {error}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise SettingsError(
-            "providers", f"instance {instance.name!r}: {option} must be positive seconds or a duration, got {value!r}"
+            "providers",
+            f"instance {instance.name!r}: {option} must be positive, finite seconds or a duration, got {value!r}",
         )
     return float(value)

@@ -101,7 +101,13 @@ async def agent_machine(tmp_path: Path, bmdb: BMDB) -> AsyncIterator[AgentMachin
     ca_der = x509.load_pem_x509_certificate(
         local_certificates(tmp_path / "tls").ca_certificate.read_bytes()
     ).public_bytes(Encoding.DER)
-    init = takeover_pb2.TakeoverInit(machine_id=str(machine_id), endpoint=f"127.0.0.1:{port}", ca_certificate=ca_der)
+    # Refusals after an accepted heartbeat stop the agent after 3 s here, where Shepherd says its heartbeat timeout.
+    init = takeover_pb2.TakeoverInit(
+        machine_id=str(machine_id),
+        endpoint=f"127.0.0.1:{port}",
+        ca_certificate=ca_der,
+        refused_for_seconds_before_stopping=3,
+    )
     state_dir = tmp_path / "agent-state"
     state_dir.mkdir()
     machine = AgentMachine(machine_id, server, port, init, state_dir, build_agent_executable(tmp_path / "agent"))
@@ -130,14 +136,18 @@ async def test_agent_detaches_sends_heartbeats_survives_an_outage_and_yields_to_
     agent_machine.server, _ = await start_server(bmdb, tmp_path, agent_machine.port)
     await heartbeat_after(bmdb, machine_id, first)
 
-    # A newer agent took over (another key): this one is refused and stops.
+    # BMDB names another key (a newer agent, or a wrong BMDB): this one is refused, goes on for as long as the
+    # takeover told it (Shepherd's heartbeat timeout), then stops.
     await bmdb.record_agent_started(machine_id, datetime.now(UTC), b"\x01" * 32)
+    refused_at = time.monotonic()
     for _ in range(300):
         if not agent_running(state_dir):
             break
         await asyncio.sleep(0.1)
-    assert not agent_running(state_dir)
-    assert "a newer agent has taken over" in (state_dir / LOG_FILE).read_text()
+    assert not agent_running(state_dir) and time.monotonic() - refused_at >= 3
+    log = (state_dir / LOG_FILE).read_text()
+    assert "after being accepted: retrying for 3s" in log
+    assert "stopped: heartbeat refused (" in log and "s: a newer agent has taken over" in log
 
 
 async def test_an_agent_never_recorded_stops_when_a_newer_agent_takes_the_machine(bmdb, agent_machine):
@@ -200,15 +210,22 @@ def refused(code: str) -> RpcError:
     return RpcError(code, f"test {code}")
 
 
-def test_the_agent_never_gives_up_and_stops_only_when_refused_after_acceptance():
+def test_the_agent_never_gives_up_and_stops_only_when_refused_for_its_heartbeat_timeout():
     answers: list[str | None] = (
         ["UNAVAILABLE"] * 500  # most of a day of outage, as the agent sees it
         + ["UNAUTHENTICATED"] * 3  # Shepherd has not recorded the key yet: keep trying
         + [None, "INTERNAL", None]
-        + ["UNAUTHENTICATED"]
+        + ["UNAUTHENTICATED"] * 4  # a heartbeat server on a wrong or restored BMDB, for a while: keep trying
+        + [None]
+        + ["UNAUTHENTICATED"] * 1000  # refused past the heartbeat timeout: a newer agent runs
     )
+    now = [0.0]
     slept: list[float] = []
     log: list[str] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
 
     def call(request: agent_api_pb2.HeartbeatRequest, timeout: float) -> agent_api_pb2.HeartbeatResponse:
         code = answers.pop(0)
@@ -216,14 +233,26 @@ def test_the_agent_never_gives_up_and_stops_only_when_refused_after_acceptance()
             raise refused(code)
         return agent_api_pb2.HeartbeatResponse(next_heartbeat_in_ms=30_000)
 
-    loop = HeartbeatLoop(str(uuid.uuid4()), Ed25519PrivateKey.generate(), "h:1", (), log=log.append, sleep=slept.append)
-    assert loop.run(call) == "heartbeat refused (test UNAUTHENTICATED): a newer agent has taken over"
-    assert answers == []
+    loop = HeartbeatLoop(
+        str(uuid.uuid4()),
+        Ed25519PrivateKey.generate(),
+        "h:1",
+        (),
+        log=log.append,
+        sleep=sleep,
+        monotonic=lambda: now[0],
+        refused_for_before_stopping=600.0,
+    )
+    reason = loop.run(call)
+    assert reason.startswith("heartbeat refused (test UNAUTHENTICATED) for ")
+    assert reason.endswith("s: a newer agent has taken over")
+    assert 600 <= int(reason.split(" for ")[1].split("s:")[0]) <= 600 + 300
+    assert 900 < len(answers) < 1000, "it stopped after the heartbeat timeout, not at the first refusal"
     # Far past the hour after which agents used to give up.
     assert sum(slept[:503]) > 10 * 3600 and max(slept) <= 300.0
     assert len(set(slept[100:503])) > 300  # jittered, not in step
     # The log grows with the logarithm of the outage, not with it.
-    assert len(log) < 25 and log[-1] == "heartbeat accepted again after 1 failure(s)"
+    assert len(log) < 40 and "heartbeat accepted again after 4 failure(s)" in log
 
 
 def test_an_agent_whose_key_was_never_recorded_stops_once_a_newer_agent_runs_on_its_machine():

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from lifecycle.contracts import MachineStage
+from lifecycle.contracts import MachineStage, OperatorRequest
+from processes.operator_api_bulk import bulk_request
+from processes.operator_api_errors import ApiError
 from tests.fleet_stack import fleet_stack
 from tests.test_decommission import decommissioned
 from tests.test_recovery import WATCH, wait_for
@@ -16,7 +18,7 @@ ALL = ["node-0001", "node-0002", "node-0003", "node-0004"]
 
 
 async def test_an_action_on_every_machine_a_query_selects(
-    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli, monkeypatch
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli, monkeypatch, capsys
 ):
     async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=4, heartbeats=True, **WATCH) as stack:
         await stack.run_pass()
@@ -25,7 +27,8 @@ async def test_an_action_on_every_machine_a_query_selects(
         async def shepherd(*args: str, answer: str | None = None) -> tuple[int, str, str]:
             if answer is not None:
                 monkeypatch.setattr(sys, "stdin", io.StringIO(answer))
-            return await shepherd_cli(stack.environment(bmdb_url), *args)
+            # Three at most on --yes alone, so the four machines are a selection larger than meant.
+            return await shepherd_cli(stack.environment(bmdb_url) | {"SHEPHERD_BULK_MAX_MACHINES": "3"}, *args)
 
         async def listed(where: str) -> bool:
             # Visibility follows the workflows' search attributes a moment later.
@@ -40,6 +43,21 @@ async def test_an_action_on_every_machine_a_query_selects(
         lines = out.splitlines()
         assert lines[0] == "4 machine(s) match --where 'MachineStage = \"WATCHING\"':"
         assert [line.split()[0] for line in lines[1:5]] == ALL and lines[-1] == "dry run: nothing done"
+
+        # More than bulk_max_machines: neither --yes nor an answer is enough, and --max must cover the count.
+        watching = ["maintenance", "--where", 'MachineStage = "WATCHING"', "--on", "--reason", "rack move"]
+        code, out, err = await shepherd(*watching, "--yes")
+        assert code == 1, err
+        assert out.splitlines()[-1] == (
+            "4 machines are more than bulk_max_machines (3), which --yes or an answer alone may touch: "
+            "nothing done; give --max 4 to act on all of them"
+        )
+        code, out, err = await shepherd(*watching, "--yes", "--max", "3")
+        assert code == 1 and out.splitlines()[-1] == "4 machines are more than --max 3: nothing done", err
+        code, out, err = await shepherd(*watching, "--max", "4", answer="n\n")
+        assert code == 1 and "maintenance on on these 4 machine(s)? [y/N]" in out, err
+        for provider_id in ALL:
+            assert (await stack.status(provider_id)).stage is MachineStage.WATCHING
 
         # Not confirmed: nothing is done.
         code, out, err = await shepherd(
@@ -87,11 +105,22 @@ async def test_an_action_on_every_machine_a_query_selects(
         assert code == 0, err
         assert "machine-sim-node-0004: recovery requested (bulk); it was WATCHING" in out
 
-        code, out, err = await shepherd(
-            "decommission", "--where", 'ProviderId = "node-0001"', "--reason", "end of lease", "--yes"
-        )
+        # node-0001 is in maintenance: a decommission overrides it only with --force.
+        decommission = ["decommission", "--where", 'ProviderId = "node-0001"', "--reason", "end of lease", "--yes"]
+        code, out, err = await shepherd(*decommission)
+        assert code == 1 and "machine-sim-node-0001: it is in maintenance, asked by alice (unverified)" in out
+        code, out, err = await shepherd(*decommission, "--force")
         assert code == 0, err
         assert (await decommissioned(stack, "node-0001")).reason == "end of lease"
+
+        # A query that closes the parenthesis around it would reach past the running machines (here the
+        # completed workflow of node-0001): refused before Temporal is asked, naming where.
+        escape = 'ProviderId = "node-0001") OR (ProviderId = "node-0001"'
+        for where in (escape, "x) OR (y"):
+            with pytest.raises(SystemExit) as usage:
+                await shepherd("restart-agent", "--where", where, "--reason", "x", "--dry-run")
+            assert usage.value.code == 2
+            assert "closes a parenthesis it did not open, at character" in capsys.readouterr().err
 
         # Bad input: nothing selected, a malformed query, a query beside a machine, the bulk flags alone.
         code, out, err = await shepherd("recover", "--where", 'MachineStage = "NOPE"', "--reason", "x", "--yes")
@@ -119,3 +148,15 @@ async def _stages_listed(shepherd, stage: str, count: int) -> bool:
 async def _recovered(stack, provider_id: str):
     status = await stack.status(provider_id)
     return status if status.recovery_count == 1 and status.stage is MachineStage.WATCHING else None
+
+
+def test_force_goes_to_a_bulk_decommission_alone():
+    asked = bulk_request("decommission", {"where": "A = 'b'", "reason": "end", "force": True}, "alice").asked
+    assert asked == OperatorRequest("end", "alice", force=True)
+    assert bulk_request("decommission", {"where": "A = 'b'", "reason": "end"}, "alice").asked == OperatorRequest(
+        "end", "alice"
+    )
+    with pytest.raises(ApiError) as refused:
+        bulk_request("restart-agent", {"where": "A = 'b'", "reason": "x", "force": True}, "alice")
+    assert refused.value.status == 400
+    assert refused.value.text == "field 'force' goes with decommission, not restart-agent"

@@ -130,3 +130,15 @@ async def test_decommission_through_the_cli_retires_the_machine_for_good(
         result = await decommissioned(stack, "node-0002")
         assert result.by == "bob (unverified)"
         await stack.wait_for_stage(["node-0003"], MachineStage.WATCHING)
+
+        # Another operator's maintenance is shown, who, since when and why, and overridden only with --force.
+        code, out, err = await shepherd("maintenance", "node-0003", "--on", "--reason", "disk swap", "--by", "carol")
+        assert code == 0, err
+        code, out, err = await shepherd("decommission", "node-0003", "--reason", "end of lease", "--by", "dave")
+        assert code == 1 and "machine-sim-node-0003: it is in maintenance, asked by carol (unverified) at 20" in err
+        assert ": disk swap; decommission it anyway with --force" in err
+        status = await stack.status("node-0003")
+        assert status.decommission is None and status.maintenance is not None
+        code, out, err = await shepherd("decommission", "node-0003", "--reason", "end of lease", "--force")
+        assert code == 0 and out.startswith("machine-sim-node-0003: decommissioning (end of lease)"), err
+        assert (await decommissioned(stack, "node-0003")).reason == "end of lease"

@@ -597,6 +597,33 @@ def test_service_target_ports_exist():
     assert not problems, "\n".join(problems)
 
 
+def test_the_heartbeat_service_publishes_the_heartbeat_port_alone():
+    """The heartbeat Service is what the machines are shown: it carries the heartbeat port and nothing else, and
+    the metrics port has a Service of its own, inside the cluster alone."""
+    services = [
+        (f"{rel(path)} Service {document['metadata']['name']}", document["spec"])
+        for path, document in kubernetes_objects()
+        if document["kind"] == "Service"
+    ]
+    heartbeat = [(where, spec) for where, spec in services if any(p["port"] == 8900 for p in spec["ports"])]
+    metrics = [(where, spec) for where, spec in services if any(p.get("name") == "metrics" for p in spec["ports"])]
+    assert heartbeat and metrics, services
+    problems = [
+        f"{where}: publishes {[port.get('name', port['port']) for port in spec['ports']]} beside the heartbeats"
+        for where, spec in heartbeat
+        if len(spec["ports"]) != 1
+    ]
+    problems += [
+        f"{where}: a metrics Service of type {spec.get('type')}, not ClusterIP"
+        for where, spec in metrics
+        if spec.get("type", "ClusterIP") != "ClusterIP"
+    ]
+    assert any(spec["selector"].get("app.kubernetes.io/component") == "heartbeat-server" for _, spec in metrics), (
+        "no Service for the heartbeat server's metrics"
+    )
+    assert not problems, "\n".join(problems)
+
+
 def test_workers_stop_within_their_grace():
     problems = []
     for process in all_processes():

@@ -55,6 +55,7 @@ EVERY_CHECK = [
     "bmdb",
     "bmdb schema",
     "bmdb clock",
+    "bmdb tls",
     "heartbeat endpoint",
     "heartbeat endpoint certificate",
     "ssh key",

@@ -124,7 +124,9 @@ async def test_what_a_machine_says_is_cut_before_it_travels(sshd, tmp_path):
             Settings(agent_endpoint="127.0.0.1:1", agent_target_path=str(tmp_path / "agent")), agent
         )
 
-    init = takeover_pb2.TakeoverInit(machine_id="m", endpoint="127.0.0.1:1")
+    init = takeover_pb2.TakeoverInit(
+        machine_id="m", endpoint="127.0.0.1:1", refused_for_seconds_before_stopping=round(Settings().heartbeat_timeout)
+    )
     chatty = takeover_pb2.TakeoverResponse(
         success=takeover_pb2.TakeoverSuccess(init_message=init, key=b"k" * 32, warnings=["\x1b[31m" + "w" * 1000] * 40)
     )

@@ -882,7 +882,8 @@ async def test_a_machine_held_apart_is_decommissioned_at_once(time_skipping_env,
                 expected = MachineStage.QUARANTINED
         await env.sleep(timedelta(seconds=1))
         assert (await handle.query(MachineWorkflow.status)).stage is expected
-        await decommission(handle, reason="scrapped", by="frank")
+        # Over erin's maintenance, frank says so (force).
+        await decommission(handle, reason="scrapped", by="frank", force=held_in == "maintenance")
         await env.sleep(timedelta(seconds=2))
         result = await handle.result()
         assert result.by == "frank (unverified)" and fakes.reboots == []

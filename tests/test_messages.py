@@ -98,7 +98,16 @@ def test_a_typed_request_goes_on_the_wire_as_the_json_an_operator_types():
         "reimage": False,
         "proof": None,
     }
-    assert encoded(OperatorRequest("end of lease", "carol")) == {"reason": "end of lease", "by": "carol", "proof": None}
+    assert encoded(OperatorRequest("end of lease", "carol")) == {
+        "reason": "end of lease",
+        "by": "carol",
+        "proof": None,
+        "force": False,
+    }
+    assert decoded({"reason": "end of lease", "force": True}, OperatorRequest) == OperatorRequest(
+        "end of lease", force=True
+    )
+    assert decoded({"reason": "end of lease", "force": "yes"}, OperatorRequest).force is False
     assert decoded(encoded(MaintenanceRequest(True, "fans", "bob")), MaintenanceRequest) == MaintenanceRequest(
         True, "fans", "bob"
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -360,3 +362,26 @@ def test_shepherd_machines_names_the_stuck_machines_below_the_table():
     assert len(lines) == 4 and lines[1].split()[2] == "AGENT_STARTING"
     assert lines[-1] == "stuck past their stage's deadline: node-0001 (4h12m)"
     assert machine_json(view("node-0003", now))["stuck_since"] == now.isoformat()
+
+
+async def test_releasing_the_held_recoveries_of_every_provider_instance_asks_first(tmp_path, shepherd_cli, monkeypatch):
+    config = tmp_path / "shepherd.toml"
+    rack = '[[providers]]\nname = "{}"\ntype = "sim"\napi_url = "http://127.0.0.1:9"\n'
+    config.write_text(rack.format("rack1") + rack.format("rack2"))
+    # Nothing answers there: a command that got past the question would fail to reach Temporal or BMDB.
+    env = {
+        "SHEPHERD_CONFIG": str(config),
+        "SHEPHERD_STATE_DIR": str(tmp_path / "state"),
+        "SHEPHERD_TEMPORAL_ADDRESS": "127.0.0.1:9",
+        "SHEPHERD_DATABASE_URL": "postgresql://nobody@127.0.0.1:9/bmdb",
+    }
+    monkeypatch.setattr(sys, "stdin", io.StringIO("n\n"))
+    code, out, err = await shepherd_cli(env, "fleet", "--release-recoveries", "--reason", "the switch is back")
+    assert (code, err) == (1, "")
+    assert out == (
+        "release the held recoveries of all 2 provider instances (rack1, rack2)? [y/N] \n"
+        "nothing done; name one with --provider, or give --yes\n"
+    )
+    with pytest.raises(SystemExit) as usage:
+        await shepherd_cli(env, "fleet", "--trigger", "--yes")
+    assert usage.value.code == 2

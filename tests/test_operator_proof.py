@@ -176,6 +176,7 @@ async def test_the_workflow_refuses_a_forged_or_unverified_decommission_and_reco
             (dataclasses.replace(asked, proof=proof_for(asked, ProofSigner.generate())), "does not trust"),
             (dataclasses.replace(asked, proof=proof_for(asked, workflow_id="machine-sim-other")), "does not match"),
             (dataclasses.replace(asked, by="mallory", proof=proof_for(asked)), "does not match"),
+            (dataclasses.replace(asked, force=True, proof=proof_for(asked)), "does not match"),
         ):
             with pytest.raises(WorkflowUpdateFailedError) as refused:
                 await decommission(request)
@@ -186,7 +187,12 @@ async def test_the_workflow_refuses_a_forged_or_unverified_decommission_and_reco
         status = await handle.query(MachineWorkflow.status)
         assert status.maintenance is not None and status.maintenance.by == "carol (unverified)"
 
-        answer = await decommission(dataclasses.replace(asked, proof=proof_for(asked)))
+        # carol's maintenance stands: the decommission is refused naming it, and goes with force.
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await decommission(dataclasses.replace(asked, proof=proof_for(asked)))
+        assert "it is in maintenance, asked by carol (unverified)" in str(refused.value.cause)
+        forced = dataclasses.replace(asked, force=True)
+        answer = await decommission(dataclasses.replace(forced, proof=proof_for(forced)))
         assert answer.startswith("decommissioning (end of lease)")
         result = await handle.result()
         assert result.by == "dave@example.com (verified: oidc)"

@@ -140,6 +140,7 @@ def test_an_operators_own_query_cannot_escape_the_scope() -> None:
     )
     for escape in (
         "Provider = 'rack2') OR (Provider = 'rack2'",
+        "x) OR (y",
         "Provider = 'rack2' -- ",
         "Provider = 'rack2' /* ",
         "Provider = 'rack2' # ",

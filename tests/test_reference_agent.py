@@ -215,3 +215,33 @@ def test_the_agent_heartbeats_with_the_key_it_answered_though_an_overlapping_tak
     reference.heartbeat(response.success.init_message, key)
     assert used["key"].public == response.success.key, "heartbeats are signed with the key Shepherd was told"
     assert used["stop_reason"]() == "a newer agent has taken over this machine"
+
+
+def test_the_agent_does_not_write_its_log_through_a_link_put_in_its_place(tmp_path, monkeypatch):
+    monkeypatch.setenv(STATE_DIR_VARIABLE, str(tmp_path / "state"))
+    init = takeover_pb2.TakeoverInit(machine_id="7a6c1e9e-0000-4000-8000-000000000002", endpoint="127.0.0.1:1")
+    response, key = reference.answer(init.SerializeToString())
+    assert key is not None
+    # Someone who may write to the agent's directory points agent.log at a file only root should change.
+    victim = tmp_path / "shadow"
+    victim.write_text("root:*:19000:0:99999:7:::\n")
+    (tmp_path / "state" / LOG_FILE).symlink_to(victim)
+
+    class Stopped:
+        def __init__(self, *_, log, **__):
+            self.log = log
+
+        def run(self):
+            self.log("a line while heartbeating")
+            return "stopped for the test"
+
+    monkeypatch.setattr(heartbeat_module, "HeartbeatLoop", Stopped)
+    monkeypatch.setattr(reference.os, "_exit", lambda code: None)
+    reference.heartbeat(response.success.init_message, key)
+    assert victim.read_text() == "root:*:19000:0:99999:7:::\n"
+    assert (tmp_path / "state" / LOG_FILE).is_symlink()
+
+    # A log file of its own is written as before.
+    (tmp_path / "state" / LOG_FILE).unlink()
+    reference.heartbeat(response.success.init_message, key)
+    assert "a line while heartbeating" in (tmp_path / "state" / LOG_FILE).read_text()

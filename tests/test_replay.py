@@ -128,14 +128,15 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
 
         await wait_for(new_agent, limit=30, what="the new agent of node-0002")
 
-        # node-0003: alice forces a recovery; in the next run bob takes it into maintenance, carol decommissions it.
+        # node-0003: alice forces a recovery; in the next run bob takes it into maintenance, carol decommissions it
+        # (with force: bob's maintenance stands).
         third = stack.machine("node-0003")
         forced_run = (await third.describe()).run_id
         await third.signal(FORCE_RECOVER_SIGNAL, {"reason": "fan noise", "by": "alice"})
         await wait_for(lambda: recovered(stack, "node-0003"), limit=30, what="forced recovery of node-0003")
         await third.execute_update(SET_MAINTENANCE_UPDATE, {"on": True, "reason": "fans", "by": "bob"})
         await stack.wait_for_stage(["node-0003"], MachineStage.MAINTENANCE)
-        await third.execute_update(DECOMMISSION_UPDATE, {"reason": "end of lease", "by": "carol"})
+        await third.execute_update(DECOMMISSION_UPDATE, {"reason": "end of lease", "by": "carol", "force": True})
         await third.result()
 
         # node-0004: the same, in typed requests.
@@ -145,7 +146,7 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
         await wait_for(lambda: recovered(stack, "node-0004"), limit=30, what="forced recovery of node-0004")
         await fourth.execute_update(SET_MAINTENANCE_UPDATE, MaintenanceRequest(on=True, reason="fans", by="bob"))
         await stack.wait_for_stage(["node-0004"], MachineStage.MAINTENANCE)
-        await fourth.execute_update(DECOMMISSION_UPDATE, OperatorRequest("end of lease", "carol"))
+        await fourth.execute_update(DECOMMISSION_UPDATE, OperatorRequest("end of lease", "carol", force=True))
         await fourth.result()
 
         client = stack.client

@@ -178,7 +178,7 @@ def readme_settings_table() -> list[tuple[str, str]]:
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) < 3 or not cells[0].startswith("`SHEPHERD_"):
             continue
-        names = re.findall(r"`([A-Z_]+)`", cells[0])
+        names = re.findall(r"`([A-Z0-9_]+)`", cells[0])
         defaults = re.findall(r"`([^`]*)`", cells[1])
         first = names[0]
         variables = [first] + [

@@ -72,7 +72,12 @@ def agent_printing(reply: bytes, exit_status: int = 0, stderr: str = "") -> byte
 
 
 def init_message() -> takeover_pb2.TakeoverInit:
-    return takeover_pb2.TakeoverInit(machine_id=MACHINE_ID, endpoint=ENDPOINT)
+    """The TakeoverInit settings() sends: an agent that answers must echo it whole."""
+    return takeover_pb2.TakeoverInit(
+        machine_id=MACHINE_ID,
+        endpoint=ENDPOINT,
+        refused_for_seconds_before_stopping=round(Settings().heartbeat_timeout),
+    )
 
 
 def success_reply(init: takeover_pb2.TakeoverInit, key: bytes = b"k" * 32) -> bytes:

@@ -3,7 +3,9 @@
 The query is the Temporal UI's list filter (``Provider = "rack1" AND MachineStage = "WATCHING"``), narrowed to
 running machine workflows. The machines are listed with their count before anything is done; then, after a
 confirmation (or ``--yes``), the action runs at a bounded rate with a line per machine as it finishes, and a
-summary says how many succeeded and names each that did not. ``--dry-run`` stops after the list.
+summary says how many succeeded and names each that did not. ``--dry-run`` stops after the list. Over
+``bulk_max_machines`` machines neither ``--yes`` nor an answer at the prompt is enough: ``--max N`` must say that
+N (at least the count) may be touched, so a query that selects more than meant stops before it acts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from shepherd.commands.base import (
     operate,
     operate_api,
     operator,
+    positive_int,
     reason_arg,
     through_api,
 )
@@ -56,6 +59,13 @@ def add_where(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="with --where: list the machines, do nothing")
     parser.add_argument("--yes", action="store_true", help="with --where: do not ask for a confirmation")
     parser.add_argument(
+        "--max",
+        type=positive_int,
+        metavar="N",
+        help="with --where: act on at most N machines; needed, with N at least the count, when more than the "
+        "setting bulk_max_machines are selected",
+    )
+    parser.add_argument(
         "--rate",
         type=_rate_arg,
         default=DEFAULT_RATE,
@@ -71,14 +81,24 @@ def add_machines(parser: argparse.ArgumentParser, reason_help: str) -> None:
     add_where(parser)
 
 
-def run_update(settings: Settings, args: argparse.Namespace, update: str, action: str, *, doing: str, then: str) -> int:
+def run_update(
+    settings: Settings,
+    args: argparse.Namespace,
+    update: str,
+    action: str,
+    *,
+    doing: str,
+    then: str,
+    force: bool = False,
+) -> int:
     """Send the update, with the reason and who asked, to MACHINE or to each machine --where selects; every
     machine answers for itself. action: the operator API's name of it; doing: what is asked, for the confirmation;
-    then: for a machine whose workflow does not run, what to do once it runs again."""
+    then: for a machine whose workflow does not run, what to do once it runs again; force: the request's force."""
     check_target(args)
-    request = OperatorRequest(args.reason, args.by or operator())
+    request = OperatorRequest(args.reason, args.by or operator(), force=force)
     if args.where is not None:
-        return run_bulk(settings, args, doing, updating(update, request), action, {"reason": args.reason})
+        body: dict[str, Any] = {"reason": args.reason} | ({"force": True} if force else {})
+        return run_bulk(settings, args, doing, updating(update, request), action, body)
     return ask_machine(settings, args, update, request, then=then)
 
 
@@ -96,8 +116,8 @@ def check_target(args: argparse.Namespace) -> None:
     """Exactly one of MACHINE and --where; the bulk flags only with --where."""
     if (args.machine is None) == (args.where is None):
         raise UsageError("name one MACHINE, or select machines with --where QUERY")
-    if args.where is None and (args.dry_run or args.yes or args.rate != DEFAULT_RATE):
-        raise UsageError("--dry-run, --yes and --rate go with --where")
+    if args.where is None and (args.dry_run or args.yes or args.max is not None or args.rate != DEFAULT_RATE):
+        raise UsageError("--dry-run, --yes, --max and --rate go with --where")
     if args.where is not None and not args.where.strip():
         raise UsageError("--where needs a query, e.g. 'MachineStage = \"WATCHING\"'")
 
@@ -159,15 +179,17 @@ def run_bulk(
     """List what args.where selects, confirm, and act on each machine; doing: what is asked, for the prompt.
     Through the operator API, the API selects and acts as its policy allows: action and body are its request."""
     if through_api(settings, args):
-        return operate_api(settings, lambda api: _bulk_through_api(api, args, doing, action, body))
+        return operate_api(settings, lambda api: _bulk_through_api(api, settings, args, doing, action, body))
 
     async def run(operators: OperatorClient) -> int:
         try:
             targets = await operators.select(args.where)
         except InvalidQuery as error:
             raise UsageError(str(error)) from None
-        if not _listed(args, targets) or not _confirmed(args, doing, len(targets)):
+        if not _listed(args, targets) or not _within_bound(settings, args, len(targets)):
             return EXIT_OK if args.dry_run else EXIT_FAILURE
+        if not _confirmed(args, doing, len(targets)):
+            return EXIT_FAILURE
         failures = await act_on_all(operators, targets, act, args.rate)
         return _summary(len(targets), [(target.workflow_id, why) for target, why in failures])
 
@@ -175,7 +197,12 @@ def run_bulk(
 
 
 async def _bulk_through_api(
-    api: ApiOperatorClient, args: argparse.Namespace, doing: str, action: str, body: dict[str, Any]
+    api: ApiOperatorClient,
+    settings: Settings,
+    args: argparse.Namespace,
+    doing: str,
+    action: str,
+    body: dict[str, Any],
 ) -> int:
     asked = body | {"where": args.where}
     try:
@@ -185,8 +212,10 @@ async def _bulk_through_api(
             raise UsageError(str(refused)) from None
         raise
     targets = [Target(m["workflow_id"], m["provider_id"], m["stage"]) for m in selected["machines"]]
-    if not _listed(args, targets) or not _confirmed(args, doing, len(targets)):
+    if not _listed(args, targets) or not _within_bound(settings, args, len(targets)):
         return EXIT_OK if args.dry_run else EXIT_FAILURE
+    if not _confirmed(args, doing, len(targets)):
+        return EXIT_FAILURE
     count = selected.get("confirm_needed")
     if count is not None:
         # The policy asks for the count typed back; the API counts again when the request comes.
@@ -220,6 +249,21 @@ def _listed(args: argparse.Namespace, targets: list[Target]) -> bool:
         print(f"  and {len(targets) - LISTED} more")
     if args.dry_run:
         print("dry run: nothing done")
+        return False
+    return True
+
+
+def _within_bound(settings: Settings, args: argparse.Namespace, count: int) -> bool:
+    """Whether count machines may be acted on: at most --max, and over bulk_max_machines only with --max. Says
+    why not."""
+    if args.max is not None and count > args.max:
+        print(f"{count} machines are more than --max {args.max}: nothing done")
+        return False
+    if args.max is None and count > settings.bulk_max_machines:
+        print(
+            f"{count} machines are more than bulk_max_machines ({settings.bulk_max_machines}), which --yes or an "
+            f"answer alone may touch: nothing done; give --max {count} to act on all of them"
+        )
         return False
     return True
 

@@ -56,6 +56,7 @@ class Doctor(TemporalChecks, DatabaseChecks, EndpointChecks, HostFileChecks, Pro
             "bmdb",
             "bmdb schema",
             "bmdb clock",
+            "bmdb tls",
             *(["bmdb heartbeat credential"] if self.settings.heartbeat_database_url else []),
             "heartbeat endpoint",
             "heartbeat endpoint certificate",

@@ -23,6 +23,7 @@ from operations.documents import (
 )
 from operations.fleet_control import FleetAction, FleetPass, ScheduleState
 from shepherd.commands.base import (
+    EXIT_FAILURE,
     Subcommands,
     UsageError,
     add_by,
@@ -35,6 +36,7 @@ from shepherd.commands.base import (
     show,
     through_api,
 )
+from shepherd.commands.bulk import confirmed
 
 __all__ = ["FleetAction", "FleetPass", "format_passes", "held_lines", "print_fleet", "schedule_line"]
 
@@ -179,6 +181,11 @@ def register(commands: Subcommands) -> None:
     )
     parser.add_argument("--note", default="", help="why, kept with the schedule's state (with --pause/--resume)")
     parser.add_argument("--reason", type=reason_arg, help="why the held recoveries may go ahead, for the record")
+    parser.add_argument(
+        "--yes",
+        action="store_true",
+        help="with --release-recoveries and no --provider: do not ask before releasing every provider instance's",
+    )
     add_by(parser)
     parser.add_argument("--provider", help="only this provider instance's schedule (default: every one)")
     parser.add_argument(
@@ -196,6 +203,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError("--release-recoveries needs --reason: why the held recoveries may go ahead")
     if args.reason is not None and not args.release_recoveries:
         raise UsageError("--reason goes with --release-recoveries")
+    if args.yes and not args.release_recoveries:
+        raise UsageError("--yes goes with --release-recoveries")
     if args.by is not None and not (args.pause or args.resume or args.trigger or args.release_recoveries):
         raise UsageError("--by goes with --pause, --resume, --trigger or --release-recoveries")
     if through_api(settings, args):
@@ -205,6 +214,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     providers = [instance.name for instance in settings.provider_instances]
     if args.provider is not None:
         providers = [settings.provider_instance(args.provider).name]
+    if args.release_recoveries and not _release_confirmed(args, providers):
+        return EXIT_FAILURE
 
     async def act(operators: OperatorClient) -> int:
         told: list[str] = []
@@ -234,8 +245,11 @@ async def _through_api(api: ApiOperatorClient, args: argparse.Namespace) -> int:
         body["note"] = args.note
     if args.confirm is not None and args.release_recoveries:
         body["confirm"] = args.confirm
+    providers = [provider for provider, _, _ in (provider_from_document(d) for d in shown["providers"])]
+    if args.release_recoveries and not _release_confirmed(args, providers):
+        return EXIT_FAILURE
     fleets, told = [], []
-    for provider, _, _ in (provider_from_document(document) for document in shown["providers"]):
+    for provider in providers:
         answer = await api.fleet_action(provider, verb.replace("_", "-"), body, passes=args.passes)
         if "approval" in answer:
             # The policy gives it to two people: it waits for the second.
@@ -244,3 +258,14 @@ async def _through_api(api: ApiOperatorClient, args: argparse.Namespace) -> int:
         told += answer.get("released", [])
         fleets.append((answer["providers"][0], answer.get("done")))
     return show_fleet(fleets, told, as_json=args.json)
+
+
+def _release_confirmed(args: argparse.Namespace, providers: Sequence[str]) -> bool:
+    """Whether to release the held recoveries of every provider instance named: asked when no --provider chose one
+    and there is more than one, since each hold stands for its own silence, which may not be understood yet."""
+    if args.provider is not None or len(providers) < 2 or args.yes:
+        return True
+    if confirmed(f"release the held recoveries of all {len(providers)} provider instances ({', '.join(providers)})?"):
+        return True
+    print("nothing done; name one with --provider, or give --yes")
+    return False

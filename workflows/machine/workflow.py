@@ -348,6 +348,13 @@ class MachineWorkflow(MachineFlows, ActionLog):
         check_proof_in_validator(DECOMMISSION_UPDATE, given(request))
         self._refuse_if_decommissioned()
         given(request).require_reason("the machine is decommissioned")
+        asked = self._maintenance_asked
+        in_maintenance = asked is not None or self._status.stage is MachineStage.MAINTENANCE
+        own = asked is not None and asked.by == given(request).credited()
+        if in_maintenance and self._maintenance_off is None and not given(request).force and not own:
+            # Another operator holds it out of automation, maybe for work under way: ending that is said, not done.
+            who = f", asked by {asked.by} at {asked.since}: {asked.reason}" if asked is not None else ""
+            raise ValueError(f'it is in maintenance{who}; decommission it anyway with --force ({{"force": true}})')
 
     @workflow.update(name=RESTART_AGENT_UPDATE)
     async def restart_agent(self, request: OperatorRequest | None = None) -> str:

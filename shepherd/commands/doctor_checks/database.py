@@ -1,5 +1,6 @@
-"""The BMDB checks: reachable, its schema at the newest migration, and its clock; and the heartbeat server's own
-credential, when it has one: reachable, and allowed what the heartbeat server does and no more."""
+"""The BMDB checks: reachable, its schema at the newest migration, its clock, and the TLS its URLs ask for; and the
+heartbeat server's own credential, when it has one: reachable, and allowed what the heartbeat server does and no
+more."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from bmdb.local_postgres import LocalPostgres
 from bmdb.migrate import head_revision, schema_problem, schema_revision
 from bmdb.privileges import HEARTBEAT_ROLE, heartbeat_reach
 from bmdb.store import BMDB, BMDBUnavailable
+from foundation.bmdb_tls import bmdb_tls_warnings, bmdb_transport
 from foundation.settings_report import redact_url
 from shepherd.commands.doctor_checks.checkup import Checkup
 from shepherd.commands.doctor_checks.clocks import ClockReading, clock_verdict
@@ -28,6 +30,7 @@ class DatabaseChecks(Checkup):
         await self.check("bmdb", self.open_bmdb)
         await self.check("bmdb schema", self.bmdb_schema, needs=["bmdb"])
         await self.check("bmdb clock", self.bmdb_clock, needs=["bmdb"])
+        await self.check("bmdb tls", self.bmdb_tls)
         if self.settings.heartbeat_database_url:
             await self.check("bmdb heartbeat credential", self.heartbeat_credential)
 
@@ -71,6 +74,26 @@ class DatabaseChecks(Checkup):
         before, remote, after = await self.bmdb.read_clock()
         how = "SELECT clock_timestamp() between two readings of this host's clock"
         return clock_verdict("BMDB's", ClockReading(before, remote, after), how)
+
+    async def bmdb_tls(self) -> Verdict:
+        """The TLS of each BMDB URL (sslmode); a warning for one that reaches another host without verify-full,
+        which leaves what goes to BMDB open to whoever is on the path."""
+        urls = {
+            "database_url": self.settings.database_url,
+            "heartbeat_database_url": self.settings.heartbeat_database_url,
+        }
+        states = {setting: bmdb_transport(url, self.environ) for setting, url in urls.items() if url is not None}
+        facts = {f"{setting}_sslmode": transport.sslmode for setting, transport in states.items()}
+        warnings = bmdb_tls_warnings(urls, self.environ)
+        if warnings:
+            return warn("; ".join(warnings), **facts)
+        if not states:
+            return ok("the local PostgreSQL of the embedded stack, on this host", **facts)
+        shown = "; ".join(
+            f"{setting}: {transport.state}{', on this host' if transport.local else ''}"
+            for setting, transport in states.items()
+        )
+        return ok(shown, **facts)
 
     async def heartbeat_credential(self) -> Verdict:
         """Whether the heartbeat server's own credential reaches BMDB at the newest migration, allowed what the
