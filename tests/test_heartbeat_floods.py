@@ -45,10 +45,10 @@ async def refusals(stub: agent_api_pb2_grpc.AgentCallbackStub, requests: list) -
 @pytest.mark.parametrize(("per_address", "overall"), [(2.0, 0.0), (0.0, 2.0)])
 async def test_fresh_ids_and_bad_signatures_cause_only_the_reads_their_budget_allows(
     bmdb: BMDB,
-    agent: Agent,
+    agent: Agent,  # noqa: F811
     monkeypatch,
     per_address: float,
-    overall: float,  # noqa: F811
+    overall: float,
 ):
     costs = counted_costs(bmdb, monkeypatch)
     service = HeartbeatService(bmdb, interval=30.0, max_skew=60.0, key_reads_per_address=per_address, key_reads=overall)
