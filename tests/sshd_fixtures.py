@@ -24,6 +24,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from tests.ports import free_port
 from tests.processes import kill_processes_mentioning
 
 SSHD = Path("/usr/sbin/sshd")
@@ -36,12 +37,6 @@ class Sshd:
     host_key: str  # the server's host key, as an OpenSSH public key line
     client_key: asyncssh.SSHKey  # the only key it accepts
     username: str  # who the client logs in as: the user running the tests
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def write_private_key(path: Path, key: asyncssh.SSHKey) -> None:

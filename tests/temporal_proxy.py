@@ -7,7 +7,6 @@ and the clients, one client certificate it accepts, one expired, one from anothe
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import secrets
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from foundation.tls import CertificateAuthority, subject_alternative_name
 from tests.certificates import Issued, write_issued
+from tests.ports import free_ports
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 SERVER_NAME = "temporal.test"
@@ -62,20 +62,6 @@ def make_certificates(directory: Path) -> ProxyCertificates:
         expired_client=_issue(authority, directory, "expired-worker", expired=True),
         stranger_client=_issue(other, directory, "stranger"),
     )
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(count: int) -> list[int]:
-    """count different free ports of 127.0.0.1: each stays bound until all are chosen, since a port let go of may
-    be the next one the kernel hands out."""
-    with contextlib.ExitStack() as bound:
-        sockets = [bound.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 class TemporalProxy:

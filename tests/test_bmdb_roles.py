@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -48,6 +47,7 @@ from shepherd.commands.doctor import Doctor
 from shepherd.commands.doctor_checks.verdicts import Status
 from tests.conftest import database_url, fresh_bmdb
 from tests.fleet_stack import fleet_stack
+from tests.ports import free_port
 from tests.sandbox import confined
 
 # Written out here rather than read from the migration, so that a grant made broader there fails here.
@@ -169,12 +169,6 @@ def test_each_role_is_granted_exactly_what_its_process_uses(credentials):
         ).fetchall()
     assert attributes == [(role, False, False, False, False, False, False, True) for role in sorted(ROLES)]
     assert memberships == []
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def unit_directive(unit: Path, key: str) -> list[str]:

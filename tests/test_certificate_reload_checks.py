@@ -18,6 +18,7 @@ from foundation.setting_values import SettingsError
 from foundation.settings import Settings
 from foundation.tls import CertificateAuthority, subject_alternative_name
 from processes.heartbeat_server import ServingCertificate, agent_trust, run_heartbeat_server
+from tests.ports import free_ports
 from tests.test_certificate_rotation import (
     HOST,
     TLSFiles,
@@ -27,7 +28,7 @@ from tests.test_certificate_rotation import (
     served_serial,
     server_pair,
 )
-from tests.test_observability import free_port, scrape, total
+from tests.test_observability import scrape, total
 
 REFUSED = "shepherd_heartbeat_certificate_reloads_refused_total"
 
@@ -52,7 +53,7 @@ async def test_a_renewal_the_agents_would_refuse_is_not_served_and_is_counted(bm
     tls_files.install(first)
     ca_file = tmp_path / "agents-ca.pem"
     ca_file.write_bytes(ca.certificate_pem)
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     settings = Settings(
         heartbeat_listen=f"{HOST}:{port}",
         heartbeat_tls_certificate_path=tls_files.certificate,

@@ -57,10 +57,11 @@ from processes.heartbeat_server import ServingCertificate, build_server, run_hea
 from processes.heartbeat_service import HeartbeatService
 from processes.worker import watch_certificates
 from proto import agent_api_pb2_grpc, takeover_pb2
+from tests.ports import free_port, free_ports
 from tests.processes import kill_processes_mentioning
 from tests.test_agent_heartbeats import heartbeat_after
 from tests.test_heartbeat_processes import server_processes, two_free_ports
-from tests.test_observability import free_port, scrape, total
+from tests.test_observability import scrape, total
 
 HOST = "127.0.0.1"
 NOW = datetime.datetime.now(datetime.UTC)
@@ -424,7 +425,7 @@ async def test_the_heartbeat_server_exports_the_days_its_certificates_have_left_
     tls_files.install(first)
     bmdb_certificate = tmp_path / "bmdb-client.pem"
     bmdb_certificate.write_bytes(ca.issue("shepherd", NOW, NOW + datetime.timedelta(days=30))[0])
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     settings = Settings(
         heartbeat_listen=f"{HOST}:{port}",
         heartbeat_tls_certificate_path=tls_files.certificate,

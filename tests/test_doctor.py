@@ -41,7 +41,7 @@ from shepherd.commands.doctor_checks.temporal import (
 from tests.conftest import database_url, register_bare_namespace
 from tests.elf_files import AARCH64, elf
 from tests.fleet_stack import fleet_stack
-from tests.temporal_proxy import free_port
+from tests.ports import free_port
 from tests.test_recovery import wait_for
 
 EVERY_CHECK = [

@@ -24,14 +24,9 @@ from bmdb.store import BMDB
 from foundation.procfs import children_of
 from proto import agent_api_pb2_grpc
 from shepherd.cli import main
+from tests.ports import free_port
 
 STOP_TIMEOUT = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def two_free_ports() -> int:

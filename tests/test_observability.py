@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,16 +21,11 @@ from foundation.tls import days_left, local_certificates
 from lifecycle.contracts import MachineStage
 from simulator import Faults
 from tests.fleet_stack import FleetStack, fleet_stack
+from tests.ports import free_ports
 from tests.test_fleet import sim_admin
 from tests.test_recovery import wait_for
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def scrape(port: int) -> Series:
@@ -69,7 +63,7 @@ def process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subproc
 
 
 async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_path, temporal_client, bmdb_url, bmdb):
-    sim_port, worker_port, heartbeat_metrics_port, heartbeat_port = free_port(), free_port(), free_port(), free_port()
+    sim_port, worker_port, heartbeat_metrics_port, heartbeat_port = free_ports(4)
     sim_runtime = metrics_runtime(f"127.0.0.1:{sim_port}", "simulator")
     certificates = local_certificates(tmp_path / "tls")
     async with fleet_stack(

@@ -8,7 +8,6 @@ import asyncio
 import datetime
 import json
 import shlex
-import socket
 import ssl
 import time
 import urllib.request
@@ -31,6 +30,7 @@ from processes.api_signing_key import create_signing_key
 from processes.operator_api import run_operator_api
 from tests.certificates import Issued, write_issued
 from tests.fleet_stack import fleet_stack
+from tests.ports import free_port
 from tests.test_operator_api import call
 
 POLICY = """
@@ -54,12 +54,6 @@ subjects = ["victor"]
 
 NOW = datetime.datetime.now(datetime.UTC)
 VALID = (NOW - datetime.timedelta(minutes=5), NOW + datetime.timedelta(days=1))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def client(ca: Path, issued: Issued | None) -> aiohttp.ClientSession:

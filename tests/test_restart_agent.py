@@ -21,10 +21,11 @@ from lifecycle.takeover import key_fingerprint
 from simulator import Faults
 from tests.bmc_fixtures import power_state, reset_requests
 from tests.fleet_stack import FleetStack, fleet_stack, shepherd_environment
+from tests.ports import free_port
 from tests.processes import kill_processes_mentioning
 from tests.sshd_fixtures import sshd_fixture  # noqa: F401 (a pytest fixture, used as `sshd`)
 from tests.test_fleet import sim_admin
-from tests.test_observability import free_port, scrape, total
+from tests.test_observability import scrape, total
 from tests.test_recovery import WATCH, _stage_is, wait_for
 from tests.test_static_machines import (
     LAB,

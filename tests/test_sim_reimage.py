@@ -20,8 +20,9 @@ from foundation.ssh_sessions import ssh_answers
 from providers import MachineNotFound, ProviderProtocolError, ProviderUnavailable, Reimaged, Reimager
 from providers.sim import SimProvider
 from simulator import Simulator, SimulatorConfig
+from tests.ports import free_port
 from tests.test_fleet import sim_admin
-from tests.test_observability import free_port, scrape, total
+from tests.test_observability import scrape, total
 from tests.test_recovery import wait_for
 
 SLOT = "node-0001"
