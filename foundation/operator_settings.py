@@ -57,16 +57,9 @@ def check_operator_settings(settings: OperatorSettings) -> None:
     """The operator settings' part of Settings.check(): SettingsError naming the first bad one."""
     if settings.oidc_issuer:
         _check_oidc(settings)
-    if settings.api_policy_path is not None and not settings.api_policy_path.is_file():
-        raise SettingsError("api_policy_path", f"{settings.api_policy_path} is not a readable file")
+    _check_files(settings, "api_policy_path")
     check_listen_address("api_listen", settings.api_listen)
-    if (settings.api_tls_certificate_path is None) != (settings.api_tls_key_path is None):
-        given, missing = (
-            ("api_tls_certificate_path", "api_tls_key_path")
-            if settings.api_tls_key_path is None
-            else ("api_tls_key_path", "api_tls_certificate_path")
-        )
-        raise SettingsError(missing, f"must be set with {given}: a certificate is served with its key")
+    _check_pair(settings, "api_tls_certificate_path", "api_tls_key_path", "a certificate is served with its key")
     if settings.api_client_ca_path is not None and settings.api_tls_certificate_path is None:
         raise SettingsError(
             "api_client_ca_path",
@@ -80,17 +73,33 @@ def check_operator_settings(settings: OperatorSettings) -> None:
 
 def _check_api_client(settings: OperatorSettings) -> None:
     # A token or client certificate goes wherever api_url points: only to a server whose certificate is checked.
-    url = settings.api_url
+    _check_trusted_url(settings, "api_url")
+    _check_pair(
+        settings, "api_client_certificate_path", "api_client_key_path", "a client certificate is shown with its key"
+    )
+    _check_files(settings, "api_ca_path", "api_client_certificate_path", "api_client_key_path")
+
+
+def _check_trusted_url(settings: OperatorSettings, name: str) -> None:
+    """SettingsError unless the setting is an https:// URL (http:// to loopback), with no query or fragment."""
+    url = getattr(settings, name)
     problem = https_url_problem(url)
     if problem is None and ("?" in url or "#" in url):
         problem = f"must have no query or fragment, got {url!r}"
     if problem is not None:
-        raise SettingsError("api_url", problem)
-    certificate, key = settings.api_client_certificate_path, settings.api_client_key_path
-    if (certificate is None) != (key is None):
-        missing = "api_client_key_path" if key is None else "api_client_certificate_path"
-        raise SettingsError(missing, "api_client_certificate_path and api_client_key_path go together")
-    for name in ("api_ca_path", "api_client_certificate_path", "api_client_key_path"):
+        raise SettingsError(name, problem)
+
+
+def _check_pair(settings: OperatorSettings, first: str, second: str, why: str) -> None:
+    """SettingsError naming the one of two settings missing when only the other is set."""
+    if (getattr(settings, first) is None) != (getattr(settings, second) is None):
+        given, missing = (first, second) if getattr(settings, second) is None else (second, first)
+        raise SettingsError(missing, f"must be set with {given}: {why}")
+
+
+def _check_files(settings: OperatorSettings, *names: str) -> None:
+    """SettingsError naming the first of these path settings that is set to no readable file."""
+    for name in names:
         path = getattr(settings, name)
         if path is not None and not path.is_file():
             raise SettingsError(name, f"{path} is not a readable file")
@@ -117,12 +126,7 @@ def operator_trust(settings: OperatorSettings) -> OperatorTrust:
 
 def _check_oidc(settings: OperatorSettings) -> None:
     # The issuer's URL is where its signing keys come from: whoever can answer there can sign as any operator.
-    issuer = settings.oidc_issuer
-    problem = https_url_problem(issuer)
-    if problem is None and ("?" in issuer or "#" in issuer):
-        problem = f"must have no query or fragment, got {issuer!r}"
-    if problem is not None:
-        raise SettingsError("oidc_issuer", problem)
+    _check_trusted_url(settings, "oidc_issuer")
     if not settings.oidc_audience:
         raise SettingsError("oidc_audience", "must be set with oidc_issuer: the audience access tokens must name")
 
@@ -147,10 +151,7 @@ def check_api_settings(settings: OperatorSettings) -> None:
         raise SettingsError(
             missing[0], f"the operator API needs {', '.join(missing)}: tokens, proofs and decisions rest on them"
         )
-    for name in ("api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path", "api_client_ca_path"):
-        path = getattr(settings, name)
-        if path is not None and not path.is_file():
-            raise SettingsError(name, f"{path} is not a readable file")
+    _check_files(settings, "api_signing_key_path", "api_tls_certificate_path", "api_tls_key_path", "api_client_ca_path")
     if settings.api_client_ca_path is not None:
         try:
             read_certificates(settings.api_client_ca_path)

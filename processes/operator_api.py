@@ -149,7 +149,7 @@ class OperatorApi:
 
     async def list_approvals(self, asked: Asked) -> web.Response:
         """The requests waiting for a second operator; any operator who may read sees them."""
-        self._decide(asked, READ, Selection())
+        self.decide(asked, READ, Selection())
         return web.json_response(await self.approvals.open())
 
     async def decide_approval(self, asked: Asked) -> web.StreamResponse:
@@ -225,7 +225,7 @@ class OperatorApi:
             raise NeedsApproval(action, target, _described(asked, action))
         return decision
 
-    def _decide(self, asked: Asked, action: str, target: Target, confirm: str | None = None) -> str | None:
+    def decide(self, asked: Asked, action: str, target: Target, confirm: str | None = None) -> str | None:
         """The scope to keep the answer within (None: none); ApiError 403 saying why when refused, 428 saying what
         to type when the policy asks for confirm typed and the body's "confirm" is not it."""
         decision = self.decision(asked, action, target)
@@ -243,7 +243,7 @@ class OperatorApi:
         except MachineNotFound as error:
             raise ApiError(404, str(error)) from None
         try:
-            scope = self._decide(asked, action, OneMachine(record.provider), confirm=record.provider_id)
+            scope = self.decide(asked, action, OneMachine(record.provider), confirm=record.provider_id)
         except NeedsApproval as needs:
             raise dataclasses.replace(needs, machine_id=str(record.machine_id)) from None
         workflow_id = machine_workflow_id(record.provider, record.provider_id)
@@ -264,7 +264,7 @@ class OperatorApi:
         return web.json_response(openapi_document())
 
     async def machines(self, asked: Asked) -> web.Response:
-        scope = self._decide(asked, READ, Selection())
+        scope = self.decide(asked, READ, Selection())
         views = await self.reads.fleet_view()
         if scope is not None:
             # Only machines with a workflow can be matched against a query: those without one are not shown.

@@ -20,7 +20,7 @@ from operations.client import OperatorClient
 from operations.documents import done_line, events_document, provider_document, release_lines
 from operations.fleet_control import FleetAction, FleetError
 from operations.machine_actions import MAX_REASON_LENGTH
-from operations.policy import Confirmation, Decision, Selection, Target, WholeProvider
+from operations.policy import Decision, Selection, Target, WholeProvider
 from operations.policy_file import EVENTS_STREAM, READ, RELEASE_RECOVERIES
 from processes.operator_api_bulk import bulk_request, run_bulk
 from processes.operator_api_errors import ApiError
@@ -43,6 +43,7 @@ class ApiCore(Protocol):
     closing: asyncio.Event
 
     def decision(self, asked: Asked, action: str, target: Target, *, approving: bool = True) -> Decision: ...
+    def decide(self, asked: Asked, action: str, target: Target, confirm: str | None = None) -> str | None: ...
     async def machine_record(self, asked: Asked, action: str) -> MachineRecord: ...
     async def asked_of(self, request: web.Request) -> Asked: ...
     async def operators_for(self, asked: Asked) -> OperatorClient: ...
@@ -90,11 +91,7 @@ class FleetHandlers:
         assert route.action is not None
         body = checked_body(asked)
         provider = self._provider(asked.params["provider"])
-        decision = self.api.decision(asked, route.action, WholeProvider(provider))
-        if decision.confirmation == Confirmation.TYPED and body.get("confirm") != provider:
-            raise ApiError(
-                428, f'{route.action} of {provider} needs a typed confirmation: send "confirm": "{provider}"'
-            )
+        self.api.decide(asked, route.action, WholeProvider(provider), confirm=provider)
         note = " ".join(body.get("note", "").split())
         if len(note) > MAX_REASON_LENGTH:
             raise ApiError(400, f"field 'note': {len(note)} characters long, at most {MAX_REASON_LENGTH} are kept")
