@@ -10,11 +10,11 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
-from bmdb.store import HostKeyPinned, MachineRecord
+from bmdb.store import BMDB, HostKeyPinned, HostKeyUnexpected, MachineRecord
 from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
-from lifecycle.takeover import TakeoverSettings, key_fingerprint, stop_agent, take_over
-from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget
+from lifecycle.takeover import HostKeyPin, PinRefused, TakeoverSettings, key_fingerprint, stop_agent, take_over
+from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget, unexpected_host_key
 from providers import MachineNotFound, ProviderMachine
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,22 @@ log = logging.getLogger(__name__)
 
 def _facts(started_at: datetime, public_key: bytes, warnings: list[str]) -> AgentFacts:
     return AgentFacts(started_at=started_at.isoformat(), key_fingerprint=key_fingerprint(public_key), warnings=warnings)
+
+
+def bmdb_pin(bmdb: BMDB, machine_id: uuid.UUID) -> HostKeyPin:
+    """The takeover's pin of a first contact's host key in BMDB, which refuses it when another key was pinned first
+    or an operator expects another fingerprint."""
+
+    async def pin(host_key: str) -> PinRefused | None:
+        try:
+            await bmdb.pin_host_key(machine_id, host_key)
+        except HostKeyPinned as pinned:
+            return PinRefused(other_key=pinned.pinned)
+        except HostKeyUnexpected as unexpected:
+            return PinRefused(expected_fingerprint=unexpected.expected)
+        return None
+
+    return pin
 
 
 class TakeoverActivities:
@@ -55,13 +71,7 @@ class TakeoverActivities:
             )
         target = self._target(input.machine_id, machine.address, machine, record)
 
-        async def pin(host_key: str) -> str | None:
-            try:
-                await self.deps.bmdb.pin_host_key(machine_id, host_key)
-            except HostKeyPinned as pinned:
-                return pinned.pinned
-            return None
-
+        pin = bmdb_pin(self.deps.bmdb, machine_id)
         try:
             result = await take_over(target, self._takeover_settings(), self.deps.ssh_key, pin)
         except TakeoverError as error:
@@ -89,6 +99,11 @@ class TakeoverActivities:
             )
             await self.deps.bmdb.add_event(machine_id, "agent_start_failed", problem)
             raise ApplicationError(problem, type=TakeoverFailure.HOST_KEY_CHANGED.name, non_retryable=True) from None
+        except HostKeyUnexpected as unexpected:
+            # An operator reset the pin, naming a fingerprint, after this takeover's handshake pinned its key.
+            refused = unexpected_host_key(target, unexpected.expected, unexpected.seen)
+            await self.deps.bmdb.add_event(machine_id, "agent_start_failed", f"{refused}; its agent is not recorded")
+            raise ApplicationError(str(refused), type=refused.failure.name, non_retryable=True) from None
         self.deps.metrics.takeovers.add(1, {"outcome": "ok"})
         log.info("agent started on %s machine %s (%s)", input.provider, input.provider_id, detail)
         return facts

@@ -7,19 +7,22 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from bmdb.base import StoreBase
-from bmdb.records import HostKeyPinned
+from bmdb.records import HostKeyPinned, HostKeyUnexpected
 from bmdb.schema import events, machine_agent_heartbeat, machine_agent_started, machine_provided, recovery_reboots
+from foundation.ssh_sessions import host_key_fingerprint
 
 
 class AgentRecords(StoreBase):
     """Host-key pins, agents and reboots."""
 
     async def pin_host_key(self, machine_id: uuid.UUID, host_key: str) -> None:
-        """Pin the host key an SSH server showed at first contact; HostKeyPinned when another one is pinned.
+        """Pin the host key an SSH server showed at first contact, logging a host_key_pinned event naming its
+        fingerprint; HostKeyPinned when another one is pinned, HostKeyUnexpected when an operator said to expect
+        another fingerprint.
 
         Called at the handshake, before anything is sent: two takeovers that race to a first contact and meet
         different servers cannot both pass.
@@ -29,29 +32,52 @@ class AgentRecords(StoreBase):
 
     @staticmethod
     async def _pin(conn: Any, machine_id: uuid.UUID, host_key: str) -> None:
-        await conn.execute(
+        fingerprint = host_key_fingerprint(host_key)
+        expected = machine_provided.c.expected_host_key_fingerprint
+        # The expectation is checked in the statement that pins: a reset that sets one after the takeover read
+        # the record cannot be passed by the key it reads.
+        pinned = await conn.execute(
             update(machine_provided)
-            .where(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key.is_(None))
-            .values(ssh_host_key=host_key)
+            .where(
+                machine_provided.c.machine_id == machine_id,
+                machine_provided.c.ssh_host_key.is_(None),
+                or_(expected.is_(None), expected == fingerprint),
+            )
+            .values(ssh_host_key=host_key, expected_host_key_fingerprint=None)
         )
-        pinned = await conn.scalar(
-            select(machine_provided.c.ssh_host_key).where(machine_provided.c.machine_id == machine_id)
-        )
-        if pinned is None:
+        if pinned.rowcount == 1:
+            detail = f"host key {fingerprint} pinned at first contact"
+            await conn.execute(insert(events).values(machine_id=machine_id, kind="host_key_pinned", detail=detail))
+            return
+        row = (
+            await conn.execute(
+                select(machine_provided.c.ssh_host_key, expected).where(machine_provided.c.machine_id == machine_id)
+            )
+        ).first()
+        if row is None:
             raise KeyError(f"BMDB has no provided record for machine {machine_id}")
-        if pinned != host_key:
-            raise HostKeyPinned(machine_id, pinned)
+        if row.ssh_host_key is None:
+            raise HostKeyUnexpected(machine_id, row.expected_host_key_fingerprint, fingerprint)
+        if row.ssh_host_key != host_key:
+            raise HostKeyPinned(machine_id, row.ssh_host_key)
 
-    async def reset_host_key(self, machine_id: uuid.UUID, pinned: str, detail: str) -> bool:
-        """Forget the pinned SSH host key, if it still is `pinned`, logging a host_key_reset event with detail.
+    async def reset_host_key(
+        self, machine_id: uuid.UUID, pinned: str | None, detail: str, *, expected: str | None = None
+    ) -> bool:
+        """Forget the pinned SSH host key, if it still is `pinned` (None: none pinned), logging a host_key_reset
+        event with detail; with expected, the next key pinned must have that SHA256 fingerprint, in the same
+        statement, so no takeover pins another in between.
 
         False when the pin changed meanwhile: the operator reset a key they did not see.
         """
         async with self.engine.begin() as conn:
             result = await conn.execute(
                 update(machine_provided)
-                .where(machine_provided.c.machine_id == machine_id, machine_provided.c.ssh_host_key == pinned)
-                .values(ssh_host_key=None)
+                .where(
+                    machine_provided.c.machine_id == machine_id,
+                    machine_provided.c.ssh_host_key.is_not_distinct_from(pinned),
+                )
+                .values(ssh_host_key=None, expected_host_key_fingerprint=expected)
             )
             if result.rowcount == 0:
                 return False
@@ -69,7 +95,8 @@ class AgentRecords(StoreBase):
         """Record a takeover in one transaction: the host key pinned unless one is, the agent, an agent_started event.
 
         HostKeyPinned, and nothing recorded, when another host key is pinned: a takeover that raced another to
-        a different server is refused. One transaction, so an activity that dies on the way leaves all or
+        a different server is refused; HostKeyUnexpected likewise when an operator reset the pin meanwhile and
+        expects another fingerprint. One transaction, so an activity that dies on the way leaves all or
         nothing, and its retry, which finds the agent recorded, loses no event. An agent it replaces without a
         reboot (restart_agent) takes its heartbeats along: the watchdog then waits for the new agent's first.
         """
@@ -141,10 +168,11 @@ class AgentRecords(StoreBase):
                 return False
             if reimaged:
                 # The one case where Shepherd lets go of a pin by itself: the next takeover pins the new OS's key.
+                # An operator's expected fingerprint goes too: it named a key the new OS no longer has.
                 await conn.execute(
                     update(machine_provided)
                     .where(machine_provided.c.machine_id == machine_id)
-                    .values(ssh_host_key=None)
+                    .values(ssh_host_key=None, expected_host_key_fingerprint=None)
                 )
             await _forget_rebooted_agent(conn, machine_id, cause, "reimaged" if reimaged else "rebooted")
             return True

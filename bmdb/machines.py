@@ -234,6 +234,7 @@ class MachineRecords(StoreBase):
                     stuck_since=r.stuck_since,
                     retired_at=r.retired_at,
                     retired_reason=r.retired_reason,
+                    expected_host_key_fingerprint=r.expected_host_key_fingerprint,
                 )
                 for r in await conn.execute(query)
             ]

@@ -21,6 +21,15 @@ class HostKeyPinned(Exception):
         self.pinned = pinned
 
 
+class HostKeyUnexpected(Exception):
+    """The SSH server showed a host key without the fingerprint an operator said to expect; nothing was pinned."""
+
+    def __init__(self, machine_id: uuid.UUID, expected: str, seen: str) -> None:
+        super().__init__(f"machine {machine_id} expects host key {expected}, the server showed {seen}")
+        self.expected = expected
+        self.seen = seen
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """One agent heartbeat to record: whose, signed by which agent key, sent when by the agent's clock."""
@@ -75,6 +84,8 @@ class MachineRecord:
     # When it was decommissioned, and why; None while it is managed.
     retired_at: datetime | None = None
     retired_reason: str | None = None
+    # The fingerprint the next host key pinned must have, as an operator who reset the pin said; None: any key.
+    expected_host_key_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ machine_provided = Table(
     # The SSH host key seen at first contact (OpenSSH format); a different key
     # later is refused until an operator resets this pin.
     Column("ssh_host_key", Text),
+    # The SHA256 fingerprint an operator who reset the pin said the next key must have; NULL when any key may be
+    # pinned. A key without it is refused and not pinned; pinning one clears this.
+    Column("expected_host_key_fingerprint", Text),
     # Since when the provider no longer lists the machine; NULL while it does. Such a machine is reported and
     # left alone (no recovery), until the provider lists it again or an operator retires it.
     Column("missing_since", DateTime(timezone=True)),

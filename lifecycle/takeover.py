@@ -46,6 +46,7 @@ from lifecycle.takeover_failures import (
     parse_reply,
     session_failures,
     stderr_line,
+    unexpected_host_key,
 )
 from proto import AGENT_STOP_ARGUMENT, AGENT_STOPPED, takeover_pb2
 
@@ -128,8 +129,19 @@ def takeover_init(machine_id: str, settings: TakeoverSettings) -> takeover_pb2.T
     )
 
 
-# Pins the host key of a first contact; returns None, or the other key found pinned meanwhile.
-HostKeyPin = Callable[[str], Awaitable[str | None]]
+@dataclass(frozen=True)
+class PinRefused:
+    """Why no host key was pinned at a first contact: another takeover pinned another key first, or an operator
+    expects another fingerprint."""
+
+    # The key another takeover pinned first; None when the refusal is the expectation's.
+    other_key: str | None = None
+    # The SHA256 fingerprint the operator who reset the pin said the key must have.
+    expected_fingerprint: str | None = None
+
+
+# Pins the host key of a first contact; returns None, or why it was not pinned.
+HostKeyPin = Callable[[str], Awaitable[PinRefused | None]]
 
 
 async def take_over(
@@ -141,7 +153,8 @@ async def take_over(
     """Upload the agent to target, run it and return what it answered.
 
     At a first contact (no pinned key), pin is given the host key the server showed before anything is sent,
-    so a takeover that raced another to a different server stops there. Raises TakeoverError for every way
+    so a takeover that raced another to a different server, or met a key without the fingerprint an operator
+    expects, stops there. Raises TakeoverError for every way
     this can fail. The connection is always closed before this returns.
     """
     init = takeover_init(target.machine_id, settings)
@@ -149,14 +162,17 @@ async def take_over(
         async with SSHSession(target.login, client_key, settings.connect_timeout) as session:
             host_key = session.host_key()
             if pin is not None and target.pinned_host_key is None:
-                other = await pin(host_key)
-                if other is not None:
+                refused = await pin(host_key)
+                if refused is not None and refused.other_key is not None:
                     raise TakeoverError(
                         TakeoverFailure.HOST_KEY_CHANGED,
                         target,
-                        f"another takeover pinned host key {host_key_fingerprint(other)} first, this server shows "
-                        f"{host_key_fingerprint(host_key)}; find out who answers there, then `shepherd reset-host-key`",
+                        f"another takeover pinned host key {host_key_fingerprint(refused.other_key)} first, this "
+                        f"server shows {host_key_fingerprint(host_key)}; find out who answers there, then "
+                        "`shepherd reset-host-key`",
                     )
+                if refused is not None and refused.expected_fingerprint is not None:
+                    raise unexpected_host_key(target, refused.expected_fingerprint, host_key_fingerprint(host_key))
             async with session.time_limit(settings.exec_timeout):
                 facts = await _probe(session, target, settings)
                 agent, tmp_dir = _agent_for(facts, target, settings)

@@ -159,6 +159,18 @@ def takeover_failure(error: SSHSessionError, target: TakeoverTarget, stopping: b
             return TakeoverFailure.SSH_ERROR, f"SSH failed while {doing}: {machine_text(error.detail)}"
 
 
+def unexpected_host_key(target: TakeoverTarget, expected: str, seen: str) -> TakeoverError:
+    """The error of a first contact whose host key lacks the fingerprint an operator said to expect: nothing is
+    pinned, and the operator is told what to do."""
+    return TakeoverError(
+        TakeoverFailure.HOST_KEY_CHANGED,
+        target,
+        f"the SSH host key is {seen}, the operator who reset its pin expects {expected}; nothing was pinned. "
+        "Find out who answers there, or, if the expected fingerprint was wrong, `shepherd reset-host-key "
+        "--expect-fingerprint` again with the right one",
+    )
+
+
 def stderr_line(run: CommandRun) -> str:
     """The end of standard error on one printable line, for a message; "(empty)" when there was none."""
     tail = run.stderr.decode(errors="replace").strip()[-STDERR_IN_MESSAGE:]

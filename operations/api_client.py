@@ -108,9 +108,11 @@ class ApiOperatorClient:
         route = "reimage" if request.reimage else "recover"
         return await self._answer(f"/v1/machines/{_segment(name)}/{route}", {"reason": request.reason})
 
-    async def reset_host_key(self, name: str, reason: str, by: str = "unknown") -> str:
-        """Forget the pinned host key of the machine of that name; what happened. by is the API's to say."""
-        return await self._answer(f"/v1/machines/{_segment(name)}/reset-host-key", {"reason": reason})
+    async def reset_host_key(self, name: str, reason: str, by: str = "unknown", expect: str | None = None) -> str:
+        """Forget the pinned host key of the machine of that name (only a key with the fingerprint expect is
+        pinned next, when given); what happened. by is the API's to say."""
+        body = {"reason": reason} | ({"expect_fingerprint": expect} if expect is not None else {})
+        return await self._answer(f"/v1/machines/{_segment(name)}/reset-host-key", body)
 
     async def events_document(self, name: str | None, limit: int, *, actions: bool = False) -> dict[str, Any]:
         """The event log of the machine of that name, or the fleet's, as `shepherd events --json` prints it."""

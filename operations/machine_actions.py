@@ -4,6 +4,7 @@ host-key pin forgotten after a reinstall. Every request carries who asked and wh
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
@@ -31,6 +32,8 @@ from operations.policy_file import query_problem
 
 # Long enough for any operator's note, short enough for a status line.
 MAX_REASON_LENGTH = 500
+# A SHA-256 digest in unpadded base64, as OpenSSH writes a host key's fingerprint.
+_FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9+/]{43}")
 
 
 class OperatorRefused(OperatorError):
@@ -63,6 +66,18 @@ def check_reason(text: str) -> str:
     if len(reason) > MAX_REASON_LENGTH:
         raise ValueError(f"the reason is {len(reason)} characters long, at most {MAX_REASON_LENGTH} are kept")
     return reason
+
+
+def check_fingerprint(text: str) -> str:
+    """A host key's SHA256 fingerprint as OpenSSH prints it (`ssh-keygen -lf`), stripped; ValueError naming the
+    shape when it is not one."""
+    fingerprint = text.strip()
+    if _FINGERPRINT.fullmatch(fingerprint) is None:
+        raise ValueError(
+            f"{fingerprint[:80]!r} is no SHA256 host key fingerprint: expected SHA256: and 43 base64 characters, "
+            "as `ssh-keygen -lf` prints it for the machine's host key"
+        )
+    return fingerprint
 
 
 def refusal_text(error: BaseException) -> str:
@@ -152,47 +167,59 @@ class MachineActions(Connections):
             raise
         return sorted(targets, key=lambda t: t.workflow_id)
 
-    async def reset_host_key(self, name: str, reason: str, by: str = "unknown") -> str:
+    async def reset_host_key(self, name: str, reason: str, by: str = "unknown", expect: str | None = None) -> str:
         """Forget the pinned host key of the machine of that name and ask its workflow to retry now; what
-        happened. Temporal is reached first: a pin is not reset when the workflow cannot be told."""
+        happened. With expect (a SHA256 fingerprint), only a key with it is pinned next. Temporal is reached
+        first: a pin is not reset when the workflow cannot be told."""
         client = await self.temporal()
         bmdb = await self.bmdb()
         record = await resolve_machine(bmdb, name)
         machine = record.provider_id
-        if record.ssh_host_key is None:
-            return f"{machine} has no pinned host key; its next takeover pins the key it sees"
-        fingerprint = host_key_fingerprint(record.ssh_host_key)
-        why = f"by {self.credited(by)}: {reason}; was {fingerprint}"
-        if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, why):
+        pinning = _next_pin(expect)
+        if record.ssh_host_key is None and record.expected_host_key_fingerprint is None and expect is None:
+            return f"{machine} has no pinned host key; {pinning}"
+        was = "none pinned" if record.ssh_host_key is None else host_key_fingerprint(record.ssh_host_key)
+        if record.expected_host_key_fingerprint is not None:
+            was += f", expecting {record.expected_host_key_fingerprint}"
+        why = f"by {self.credited(by)}: {reason}; was {was}" + (f"; expecting {expect}" if expect else "")
+        if not await bmdb.reset_host_key(record.machine_id, record.ssh_host_key, why, expected=expect):
             raise HostKeyError(
                 f"the host key pin of {machine} changed while it was being reset; nothing was reset, "
                 f"see `shepherd events {machine}` and try again"
             )
-        done = f"{machine}: host key pin {fingerprint} reset ({reason})"
+        pin = "no host key pinned; the expectation" if record.ssh_host_key is None else f"host key pin {was}"
+        done = f"{machine}: {pin} reset ({reason})"
         workflow_id = machine_workflow_id(record.provider, record.provider_id)
         try:
             description = await describe_workflow(client, workflow_id)
             if description is None:
-                return f"{done}; {workflow_id} has not started yet, its takeover pins the key it sees"
+                return f"{done}; {workflow_id} has not started yet: {pinning}"
             if description.status != WorkflowExecutionStatus.RUNNING:
-                return f"{done}; {workflow_id} is not running, its next run pins the key it sees"
+                return f"{done}; {workflow_id} is not running, at its next run {pinning}"
             retry = OperatorRequest(f"host key pin reset: {reason}", by)
             if self.attestation is not None:
-                return await self._retry_verified(done, workflow_id, retry)
+                return await self._retry_verified(done, workflow_id, retry, pinning)
             await client.get_workflow_handle(workflow_id).signal(RETRY_NOW_SIGNAL, retry)
         except RPCError as error:
             raise HostKeyError(
                 f"{done}, but {workflow_id} could not be asked to retry now ({error.message}); "
-                "it retries at the end of its back-off, or send it the retry_now signal"
+                f"it retries at the end of its back-off, or send it the retry_now signal; {pinning}"
             ) from None
-        return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"
+        return f"{done}; {workflow_id} was asked to retry now: {pinning}"
 
-    async def _retry_verified(self, done: str, workflow_id: str, retry: OperatorRequest) -> str:
+    async def _retry_verified(self, done: str, workflow_id: str, retry: OperatorRequest, pinning: str) -> str:
         """The retry after a verified operator's host-key reset, as the retry update: the pin is reset whether or
         not a step is failing, so the workflow's refusal is told, not raised."""
         try:
             await self.ask_workflow(workflow_id, RETRY_UPDATE, retry)
         except WorkflowUpdateFailedError as error:
             refused = refusal_text(error)
-            return f"{done}; {workflow_id} did not retry ({refused}), its next takeover pins the key it sees"
-        return f"{done}; {workflow_id} was asked to retry now, and its takeover pins the key it sees"
+            return f"{done}; {workflow_id} did not retry ({refused}), at its next takeover {pinning}"
+        return f"{done}; {workflow_id} was asked to retry now: {pinning}"
+
+
+def _next_pin(expect: str | None) -> str:
+    """Which host key the next takeover pins, as the operator reads it."""
+    if expect is None:
+        return "the first host key to answer will be pinned, and a host_key_pinned event will name it"
+    return f"only a host key with fingerprint {expect} will be pinned"

@@ -304,7 +304,8 @@ class OperatorApi:
         body = checked_body(asked)
         record = await self.machine_record(asked, route.action)
         async with await self.operators_for(asked) as operators:
-            answer = await machine_action(operators, route.action, record, approved_reason(asked, body["reason"]))
+            reason = approved_reason(asked, body["reason"])
+            answer = await machine_action(operators, route.action, record, reason, body.get("expect_fingerprint"))
         return web.json_response({"answer": answer})
 
 

@@ -16,9 +16,12 @@ from processes.operator_api_errors import ApiError
 MACHINE_ACTIONS = (RECOVER, REIMAGE, RETRY, RESET_HOST_KEY)
 
 
-async def machine_action(operators: OperatorClient, action: str, record: MachineRecord, reason: str) -> str:
-    """Do action to the machine for the operator operators attest; the answer line `shepherd` prints, or ApiError
-    409 with the workflow's reason (or what stopped a host-key reset) when it is refused."""
+async def machine_action(
+    operators: OperatorClient, action: str, record: MachineRecord, reason: str, expect: str | None = None
+) -> str:
+    """Do action to the machine for the operator operators attest (a host-key reset: pinning next only a key with
+    the fingerprint expect, when given); the answer line `shepherd` prints, or ApiError 409 with the workflow's
+    reason (or what stopped a host-key reset) when it is refused."""
     workflow_id = machine_workflow_id(record.provider, record.provider_id)
     # Who asked is the attestation's to say; the name here is what an unattested client would record.
     by = operators.attestation.subject if operators.attestation is not None else "unknown"
@@ -28,7 +31,7 @@ async def machine_action(operators: OperatorClient, action: str, record: Machine
         if action == RETRY:
             return await operators.retry(workflow_id, OperatorRequest(reason, by))
         if action == RESET_HOST_KEY:
-            return await operators.reset_host_key(str(record.machine_id), reason, by)
+            return await operators.reset_host_key(str(record.machine_id), reason, by, expect)
     except (OperatorRefused, HostKeyError, MachineNotFound) as error:
         raise ApiError(409, str(error)) from None
     raise ValueError(f"{action} is no machine action of {MACHINE_ACTIONS}")

@@ -16,7 +16,7 @@ from lifecycle.contracts import (
     RETRY_UPDATE,
     SET_MAINTENANCE_UPDATE,
 )
-from operations.machine_actions import MAX_REASON_LENGTH, check_reason
+from operations.machine_actions import MAX_REASON_LENGTH, check_fingerprint, check_reason
 from operations.policy_file import (
     DECOMMISSION,
     EVENTS_STREAM,
@@ -78,10 +78,10 @@ def _machine_request(operation: str, action: str, update: str, summary: str, *bo
     return Route("POST", path, operation, "update", action, summary, update, (*(body or (_REASON,)), _CONFIRM))
 
 
-def _machine_action(operation: str, action: str, update: str, summary: str) -> Route:
+def _machine_action(operation: str, action: str, update: str, summary: str, *options: Field) -> Route:
     # Served by processes.operator_api_actions: the update is sent by the operator client, as the command does.
     path = f"/v1/machines/{{name}}/{action}"
-    return Route("POST", path, operation, "action", action, summary, update, (_REASON, _CONFIRM))
+    return Route("POST", path, operation, "action", action, summary, update, (_REASON, *options, _CONFIRM))
 
 
 _NOTE = Field("note", str, False, f"why, up to {MAX_REASON_LENGTH} characters; kept with the schedule's state")
@@ -218,6 +218,13 @@ ROUTES = (
         RESET_HOST_KEY,
         RETRY_UPDATE,
         "forget a reinstalled machine's pinned SSH host key and retry its takeover, as `shepherd reset-host-key`",
+        Field(
+            "expect_fingerprint",
+            str,
+            False,
+            "the SHA256 fingerprint (as `ssh-keygen -lf` prints it) the next host key must have to be pinned; "
+            "without it, the first key to answer is pinned",
+        ),
     ),
     *FLEET_ROUTES,
     Route("GET", "/v1/approvals", "listApprovals", "approvals", READ, "the requests waiting for a second operator"),
@@ -271,6 +278,11 @@ def read_body(route: Route, data: bytes) -> dict[str, Any]:
                 body["reason"] = check_reason(body["reason"])
             except ValueError as error:
                 raise BodyError(f"field 'reason': {error}") from None
+        if field.name == "expect_fingerprint":
+            try:
+                body["expect_fingerprint"] = check_fingerprint(body["expect_fingerprint"])
+            except ValueError as error:
+                raise BodyError(f"field 'expect_fingerprint': {error}") from None
     if route.action == MAINTENANCE:
         if body["on"] and "reason" not in body:
             raise BodyError("field 'reason' is missing: on needs a reason")

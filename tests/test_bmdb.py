@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import asyncssh
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -13,8 +14,9 @@ from sqlalchemy import create_engine
 
 from bmdb import migrate
 from bmdb.schema import metadata
-from bmdb.store import BMDB, BMDBUnavailable, HostKeyPinned, sqlalchemy_url
+from bmdb.store import BMDB, BMDBUnavailable, HostKeyPinned, HostKeyUnexpected, sqlalchemy_url
 from foundation.settings_report import redact_url
+from foundation.ssh_sessions import host_key_fingerprint
 
 
 def test_migrations_build_exactly_the_schema_the_code_uses(bmdb_url):
@@ -95,6 +97,55 @@ async def test_the_host_key_is_pinned_at_the_first_handshake_and_a_racing_other_
     assert (await bmdb.get_machine(machine_id)).ssh_host_key == "ssh-ed25519 AAAAfirst"
     with pytest.raises(KeyError):
         await bmdb.pin_host_key(uuid.uuid4(), "ssh-ed25519 AAAAfirst")
+
+
+def _host_key() -> tuple[str, str]:
+    key = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    return key, host_key_fingerprint(key)
+
+
+async def test_a_pin_reset_that_names_a_fingerprint_lets_only_a_key_with_it_be_pinned(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    (old, old_fp), (right, right_fp), (impostor, impostor_fp) = _host_key(), _host_key(), _host_key()
+    await bmdb.pin_host_key(machine_id, old)
+    assert await bmdb.reset_host_key(machine_id, old, "reinstalled", expected=right_fp)
+    record = await bmdb.get_machine(machine_id)
+    assert (record.ssh_host_key, record.expected_host_key_fingerprint) == (None, right_fp)
+
+    # The impostor answers first: at the handshake, and in a takeover's record that raced the reset.
+    with pytest.raises(HostKeyUnexpected) as caught:
+        await bmdb.pin_host_key(machine_id, impostor)
+    assert (caught.value.expected, caught.value.seen) == (right_fp, impostor_fp)
+    with pytest.raises(HostKeyUnexpected):
+        await bmdb.record_takeover(machine_id, datetime.now(UTC), b"i" * 32, impostor, "agent key I")
+    record = await bmdb.get_machine(machine_id)
+    assert (record.ssh_host_key, record.expected_host_key_fingerprint) == (None, right_fp)
+    assert record.agent_started_at is None, "the impostor's agent is not recorded"
+
+    await bmdb.pin_host_key(machine_id, right)
+    record = await bmdb.get_machine(machine_id)
+    assert (record.ssh_host_key, record.expected_host_key_fingerprint) == (right, None)
+    pinned = [e.detail for e in await bmdb.list_events(machine_id) if e.kind == "host_key_pinned"]
+    assert pinned == [f"host key {right_fp} pinned at first contact", f"host key {old_fp} pinned at first contact"]
+
+    # A reset of a pin it did not see changes nothing; one without a fingerprint lets any key be pinned again.
+    assert not await bmdb.reset_host_key(machine_id, old, "stale", expected=impostor_fp)
+    assert not await bmdb.reset_host_key(machine_id, None, "stale", expected=impostor_fp)
+    assert (await bmdb.get_machine(machine_id)).expected_host_key_fingerprint is None
+    assert await bmdb.reset_host_key(machine_id, right, "reinstalled again", expected=right_fp)
+    assert await bmdb.reset_host_key(machine_id, None, "any key will do")
+    await bmdb.pin_host_key(machine_id, impostor)
+    assert (await bmdb.get_machine(machine_id)).ssh_host_key == impostor
+
+
+async def test_a_reimage_forgets_an_expected_fingerprint_with_the_pin(bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    (old, _), (_, expected_fp), (new_os, _) = _host_key(), _host_key(), _host_key()
+    await bmdb.pin_host_key(machine_id, old)
+    assert await bmdb.reset_host_key(machine_id, old, "reinstalled", expected=expected_fp)
+    assert await bmdb.record_reboot(machine_id, "run-1", "reimaged: budget spent", reimaged=True)
+    assert (await bmdb.get_machine(machine_id)).expected_host_key_fingerprint is None
+    await bmdb.pin_host_key(machine_id, new_os)
 
 
 async def test_a_recovery_cycle_records_its_reboot_once(bmdb):

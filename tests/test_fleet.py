@@ -70,7 +70,7 @@ async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, tempor
             assert status.machine_id == str(record.machine_id)
             assert status.agent is not None and status.agent.key_fingerprint.startswith("SHA256:")
             kinds = [e.kind for e in await bmdb.list_events(record.machine_id)]
-            assert kinds == ["agent_started", "provided", "admitted"]
+            assert kinds == ["agent_started", "host_key_pinned", "provided", "admitted"]
 
         again = await stack.run_pass()
         assert again.admitted == [] and again.workflows_started == 0

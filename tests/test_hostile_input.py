@@ -13,7 +13,7 @@ from foundation import ssh_sessions
 from foundation.files import replace_file
 from foundation.settings import Settings
 from lifecycle.machine_text import MAX_TEXT, MAX_WARNINGS
-from lifecycle.takeover import TakeoverSettings, take_over
+from lifecycle.takeover import PinRefused, TakeoverSettings, take_over
 from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget
 from proto import takeover_pb2
 from providers import MachineNotFound
@@ -96,9 +96,9 @@ async def test_a_first_contact_that_lost_the_race_to_another_host_key_sends_noth
     other = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOther0000000000000000000000000000000000000"
     seen: list[str] = []
 
-    async def pin(host_key: str) -> str | None:
+    async def pin(host_key: str) -> PinRefused | None:
         seen.append(host_key)
-        return other
+        return PinRefused(other_key=other)
 
     target = TakeoverTarget(machine_id="m", address="127.0.0.1", port=sshd.port, username=sshd.username)
     settings = TakeoverSettings.of(

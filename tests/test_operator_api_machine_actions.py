@@ -129,11 +129,40 @@ async def test_recover_reimage_retry_and_reset_host_key_through_the_api_are_veri
                 assert code == 200, body
                 assert body["answer"] == (
                     f"node-0001: host key pin {fingerprint} reset (new disk); machine-sim-node-0001 did not retry "
-                    "(no step is failing: it is WATCHING), its next takeover pins the key it sees"
+                    "(no step is failing: it is WATCHING), at its next takeover the first host key to answer will be "
+                    "pinned, and a host_key_pinned event will name it"
                 )
                 assert await events(stack, "node-0001", "host_key_reset") == [
                     f"by {VERIFIED}: new disk; was {fingerprint}"
                 ]
+
+                # It may name the fingerprint the next key must have, checked for its shape; the recovery below
+                # takes the machine over again, showing that key.
+                reset = "/v1/machines/node-0001/reset-host-key"
+                for bad, error in (
+                    ("MD5:00:11", "'MD5:00:11' is no SHA256 host key fingerprint"),
+                    (f"{fingerprint}=", "is no SHA256 host key fingerprint"),
+                    (7, "must be a string"),
+                ):
+                    code, body, _ = await call(
+                        http, base, "POST", reset, operator, {"reason": "new disk", "expect_fingerprint": bad}
+                    )
+                    assert code == 400 and body["error"].startswith("field 'expect_fingerprint'"), body
+                    assert error in body["error"], body
+                expecting = {"reason": "on the console", "expect_fingerprint": fingerprint}
+                code, body, _ = await call(http, base, "POST", reset, operator, expecting)
+                assert code == 200, body
+                assert body["answer"] == (
+                    "node-0001: no host key pinned; the expectation reset (on the console); machine-sim-node-0001 did "
+                    "not retry (no step is failing: it is WATCHING), at its next takeover only a host key with "
+                    f"fingerprint {fingerprint} will be pinned"
+                )
+                assert (await resolve_machine(stack.deps.bmdb, "node-0001")).expected_host_key_fingerprint == (
+                    fingerprint
+                )
+                assert (await events(stack, "node-0001", "host_key_reset"))[-1] == (
+                    f"by {VERIFIED}: on the console; was none pinned; expecting {fingerprint}"
+                )
 
                 # A recovery answers as `shepherd recover` prints it, and is recorded verified everywhere.
                 code, body = await post(operator, "node-0001/recover", "disk errors")
@@ -161,6 +190,11 @@ async def test_recover_reimage_retry_and_reset_host_key_through_the_api_are_veri
         status = await recovered(stack, "node-0001", 1)
         assert status.last_recovery_reason == f"forced: disk errors (by {VERIFIED})"
         assert [(a.action, a.by) for a in status.actions] == [(RECOVER_UPDATE, VERIFIED)]
+        # The takeover after it pinned the key with the fingerprint the reset named, and said so.
+        assert (await events(stack, "node-0001", "host_key_pinned"))[-1] == (
+            f"host key {fingerprint} pinned at first contact"
+        )
+        assert (await resolve_machine(stack.deps.bmdb, "node-0001")).expected_host_key_fingerprint is None
         assert (await recovered(stack, "node-0002", 1)).last_recovery_reason == (
             "forced reimage: fresh disk (by rita (verified: oidc))"
         )

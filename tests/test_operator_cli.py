@@ -26,6 +26,7 @@ from tests.fleet_stack import fleet_stack
 from tests.test_recovery import WATCH, wait_for
 
 NO_SCHEDULE = "a worker creates it when it starts"
+ANY_KEY_PINNED = "the first host key to answer will be pinned, and a host_key_pinned event will name it"
 NOT_FOUND = "it is neither a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"
 
 
@@ -106,7 +107,8 @@ async def test_events_of_a_machine(tmp_path, temporal_client, bmdb_url, bmdb, sh
         assert code == 0, err
         lines = out.splitlines()
         assert lines[0] == f"node-0001 (machine-sim-node-0001), BMDB machine {record.machine_id}"
-        assert [line.split()[2] for line in lines[2:]] == ["note", "agent_started", "provided", "admitted"]
+        kinds = ["note", "agent_started", "host_key_pinned", "provided", "admitted"]
+        assert [line.split()[2] for line in lines[2:]] == kinds
         assert max(len(line) for line in lines[1:]) <= 80 and lines[2].endswith("x...")
 
         code, out, err = await shepherd_cli(env, "events", "machine-sim-node-0001", "--json", "--limit", "2")
@@ -171,7 +173,7 @@ async def test_status_of_a_machine_joins_its_workflow_and_its_heartbeats(
 
 
 async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
-    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
+    tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli, capsys
 ):
     # A back-off of an hour: only retry_now brings the takeover back within the test. The reboot is
     # instant, so the first takeover after it meets the changed host key rather than a booting machine.
@@ -206,7 +208,7 @@ async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
         old_fingerprint = host_key_fingerprint(old_key)
         assert out == (
             f"node-0001: host key pin {old_fingerprint} reset (reinstalled by DC ops); "
-            "machine-sim-node-0001 was asked to retry now, and its takeover pins the key it sees\n"
+            f"machine-sim-node-0001 was asked to retry now: {ANY_KEY_PINNED}\n"
         )
         await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING, limit=30)
         assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
@@ -230,10 +232,51 @@ async def test_reset_host_key_lets_a_reinstalled_machine_be_taken_over_at_once(
         assert not await bmdb.reset_host_key(record.machine_id, old_key, "stale")
         assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
 
+        # Reinstalled again, and the operator names the key's fingerprint: a key without it (as an impostor's
+        # that answers first) is refused, nothing is pinned, and the machine is not rebooted for it.
+        real_fingerprint = host_key_fingerprint(real_key)
+        expected = host_key_fingerprint(old_key)
+        code, out, err = await shepherd_cli(
+            env, "reset-host-key", "node-0001", "--reason", "reinstalled", "--expect-fingerprint", expected
+        )
+        assert code == 0, err
+        assert out.startswith(f"node-0001: host key pin {real_fingerprint} reset (reinstalled); machine-sim-node-0001")
+        assert out.endswith(f": only a host key with fingerprint {expected} will be pinned\n")
+        await stack.machine("node-0001").signal(FORCE_RECOVER_SIGNAL, {"reason": "reinstalled again"})
+        status = await stack.wait_for_error("node-0001")
+        assert status.stage is MachineStage.AGENT_STARTING
+        assert status.last_error and status.last_error.startswith("HOST_KEY_CHANGED: ")
+        assert f"the SSH host key is {real_fingerprint}, the operator who reset its pin expects {expected}" in (
+            status.last_error
+        )
+        record = await bmdb.get_machine(record.machine_id)
+        assert (record.ssh_host_key, record.expected_host_key_fingerprint) == (None, expected)
+        console = ("--reason", "as on the console", "--expect-fingerprint", real_fingerprint)
+        code, out, err = await shepherd_cli(env, "reset-host-key", "node-0001", *console)
+        assert code == 0, err
+        assert out == (
+            "node-0001: no host key pinned; the expectation reset (as on the console); "
+            f"machine-sim-node-0001 was asked to retry now: only a host key with fingerprint {real_fingerprint} "
+            "will be pinned\n"
+        )
+        await stack.wait_for_stage(["node-0001"], MachineStage.WATCHING, limit=30)
+        assert (await bmdb.get_machine(record.machine_id)).ssh_host_key == real_key
+        events = await bmdb.list_events(record.machine_id)
+        assert [e.kind for e in events].count("rebooted") == 2, "one reboot for each forced recovery, none more"
+        # At the first takeover, after the first reset and after the last; the refused key never was.
+        pinned = [e.detail for e in events if e.kind == "host_key_pinned"]
+        assert pinned == [f"host key {real_fingerprint} pinned at first contact"] * 3
+        with pytest.raises(SystemExit) as usage:
+            await shepherd_cli(env, "reset-host-key", "node-0001", "--reason", "x", "--expect-fingerprint", "ab:cd")
+        assert usage.value.code == 2
+        assert "'ab:cd' is no SHA256 host key fingerprint: expected SHA256: and 43 base64 characters" in (
+            capsys.readouterr().err
+        )
+
         await add_machine(bmdb, "feed0000-0000-4000-8000-000000000009", "sim", "node-0009")
         code, out, err = await shepherd_cli(env, "reset-host-key", "node-0009", "--reason", "x")
         assert (code, err) == (0, "")
-        assert out == "node-0009 has no pinned host key; its next takeover pins the key it sees\n"
+        assert out == f"node-0009 has no pinned host key; {ANY_KEY_PINNED}\n"
         code, out, err = await shepherd_cli(env, "reset-host-key", "node-0404", "--reason", "x")
         assert (code, out) == (1, "") and err == f"shepherd reset-host-key: no machine 'node-0404': {NOT_FOUND}\n"
         with pytest.raises(SystemExit) as usage:

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from foundation.login_tokens import tokens_path
+from foundation.ssh_sessions import host_key_fingerprint
 from foundation.tls import CertificateAuthority
 from lifecycle.contracts import MachineStage, fleet_schedule_id
 from processes.worker import ensure_fleet_schedules
@@ -24,7 +25,10 @@ from tests.test_login import logged_in, login_env, login_settings
 
 POLICY = """
 [roles]
-operator = ["read", "maintenance", "restart-agent", "recover", "fleet-pause", "fleet-resume", "release", "decommission"]
+operator = [
+    "read", "maintenance", "restart-agent", "recover", "fleet-pause", "fleet-resume", "release", "decommission",
+    "reset-host-key",
+]
 
 [[grants]]
 role = "operator"
@@ -76,6 +80,16 @@ async def test_commands_go_through_the_api_as_the_logged_in_operator(
             assert code == 1 and "machine-sim-node-0001: already in maintenance" in err
             code, _, err = await shepherd_cli(env, "reimage", "node-0001", "--reason", "fresh disk")
             assert code == 1 and f"{login.subject} may not reimage" in err
+
+            # An option of an action reaches the API: the fingerprint a host-key reset expects.
+            [other] = await stack.deps.bmdb.machines_with_provider_id("node-0002")
+            assert other.ssh_host_key is not None
+            expect = host_key_fingerprint(other.ssh_host_key)
+            reset = ["node-0002", "--reason", "new disk", "--expect-fingerprint", expect]
+            code, out, err = await shepherd_cli(env, "reset-host-key", *reset)
+            assert code == 0 and out.endswith(f"only a host key with fingerprint {expect} will be pinned\n"), err
+            [other] = await stack.deps.bmdb.machines_with_provider_id("node-0002")
+            assert (other.ssh_host_key, other.expected_host_key_fingerprint) == (None, expect)
             with pytest.raises(SystemExit) as usage:
                 await shepherd_cli(env, "maintenance", "node-0001", "--off", "--by", "mallory")
             assert usage.value.code == 2 and "--by is not taken through the operator API" in capsys.readouterr().err

@@ -62,13 +62,14 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
         assert [e.kind for e in story] == [
             "admitted",
             "provided",
+            "host_key_pinned",
             "agent_started",
             "heartbeat_lost",
             "rebooted",
             "agent_started",
         ]
-        assert story[3].detail.startswith("last heartbeat at") and "the watchdog asks for a recovery" in story[3].detail
-        assert story[4].detail.startswith("rebooted: heartbeat lost: last heartbeat at")
+        assert story[4].detail.startswith("last heartbeat at") and "the watchdog asks for a recovery" in story[4].detail
+        assert story[5].detail.startswith("rebooted: heartbeat lost: last heartbeat at")
         # The healthy machine was left alone.
         assert (await stack.status("node-0002")).recovery_count == 0
 

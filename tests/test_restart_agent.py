@@ -97,7 +97,14 @@ async def test_a_watching_machine_gets_a_new_agent_without_a_reboot(
         # Not rebooted: no recovery counted, no reboot asked of the provider, none in BMDB.
         assert (status.recovery_count, status.last_recovery_reason, status.recent_recoveries) == (0, None, [])
         story = [e.kind for e in reversed(await bmdb.list_events(first.machine_id))]
-        assert story == ["admitted", "provided", "agent_started", "agent_restart_asked", "agent_started"]
+        assert story == [
+            "admitted",
+            "provided",
+            "host_key_pinned",
+            "agent_started",
+            "agent_restart_asked",
+            "agent_started",
+        ]
         assert total(await scrape(sim_port), "shepherd_sim_reboots_total") == 0
         assert stack.simulator.machines["node-0001"].status == "active"
         # Who asked and why: the status, and the event log of operator actions.

@@ -46,7 +46,8 @@ async def test_two_workers_bring_a_fleet_up_handling_each_machine_once(tmp_path,
         assert sorted(r.provider_id for r in records) == nodes(machines)
         for record in records:
             kinds = Counter(e.kind for e in await bmdb.list_events(record.machine_id))
-            assert kinds == {"admitted": 1, "provided": 1, "agent_started": 1}, (record.provider_id, kinds)
+            expected = {"admitted": 1, "provided": 1, "host_key_pinned": 1, "agent_started": 1}
+            assert kinds == expected, (record.provider_id, kinds)
         # Both workers took part.
         histories = [await stack.machine(node).fetch_history() for node in nodes(machines)]
         identities = {

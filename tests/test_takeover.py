@@ -21,11 +21,12 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from activities.takeover import bmdb_pin
 from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
 from foundation.executables import executable_target
 from foundation.settings import Settings
-from foundation.ssh_sessions import ssh_answers
+from foundation.ssh_sessions import host_key_fingerprint, ssh_answers
 from lifecycle.takeover import TakeoverSettings, stop_agent, take_over, wait_until_booted
 from lifecycle.takeover_failures import MAX_REPLY_SIZE, TakeoverError, TakeoverFailure, TakeoverTarget
 from proto import takeover_pb2
@@ -376,6 +377,32 @@ async def test_pinned_host_key_that_matches_is_accepted(sshd, reference_agent, t
     result = await take_over(target, settings(reference_agent, tmp_path / "agent"), sshd.client_key)
     assert result.host_key == sshd.host_key
     assert len(result.agent_public_key) == 32
+
+
+async def test_after_a_reset_naming_a_fingerprint_only_a_key_with_it_is_pinned(sshd, reference_agent, tmp_path, bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0001")
+    target, pin = target_of(sshd, machine_id=str(machine_id)), bmdb_pin(bmdb, machine_id)
+    takeover = settings(reference_agent, tmp_path / "agent")
+    shown = host_key_fingerprint(sshd.host_key)
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode()
+    expected = host_key_fingerprint(other)
+    assert await bmdb.reset_host_key(machine_id, None, "reinstalled", expected=expected)
+
+    with pytest.raises(TakeoverError) as caught:
+        await take_over(target, takeover, sshd.client_key, pin)
+    assert caught.value.failure is TakeoverFailure.HOST_KEY_CHANGED and not caught.value.retryable
+    assert caught.value.problem.startswith(
+        f"the SSH host key is {shown}, the operator who reset its pin expects {expected}; nothing was pinned. "
+    )
+    assert "`shepherd reset-host-key --expect-fingerprint` again" in caught.value.problem
+    assert list(tmp_path.iterdir()) == [], "nothing was uploaded"
+    assert (await bmdb.get_machine(machine_id)).ssh_host_key is None
+
+    assert await bmdb.reset_host_key(machine_id, None, "the fingerprint on the console", expected=shown)
+    result = await take_over(target, takeover, sshd.client_key, pin)
+    assert result.host_key == sshd.host_key
+    record = await bmdb.get_machine(machine_id)
+    assert (record.ssh_host_key, record.expected_host_key_fingerprint) == (sshd.host_key, None)
 
 
 async def test_server_that_never_sends_its_banner_times_out(sshd, reference_agent, tmp_path):
