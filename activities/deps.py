@@ -27,7 +27,8 @@ from foundation.setting_values import SettingsError
 from foundation.settings import Settings
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from foundation.tls import agent_ca_bundle_file
-from providers import Provider, ProviderError
+from lifecycle.takeover_failures import TakeoverTarget
+from providers import Provider, ProviderError, ProviderMachine
 from providers.registry import open_providers
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,18 @@ class ActivityDeps:
                 type="UnknownProvider",
                 non_retryable=True,
             ) from None
+
+    def target(self, machine_id: str, machine: ProviderMachine, pinned_host_key: str | None) -> TakeoverTarget:
+        """Where SSH reaches the machine the provider lists (it has an address), as whom, and the host key it must
+        show (none before first contact)."""
+        assert machine.address is not None
+        return TakeoverTarget(
+            machine_id=machine_id,
+            address=machine.address,
+            port=machine.ssh_port,
+            username=machine.ssh_user or self.settings.ssh_user,
+            pinned_host_key=pinned_host_key,
+        )
 
     async def close(self) -> None:
         """Close every provider, then BMDB."""

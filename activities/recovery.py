@@ -3,6 +3,7 @@ the boot; and the BMDB marks of machines an operator looks after (quarantined, s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -12,8 +13,10 @@ from typing import TypeVar
 
 from temporalio import activity
 from temporalio.common import MetricCounter
+from temporalio.exceptions import ApplicationError
 
 from activities.deps import ActivityDeps, provider_errors
+from lifecycle.boot_evidence import ResetEvidence, ResetSeen, judge_reset, reset_over_ssh
 from lifecycle.contracts import (
     AgentCheckInput,
     BootWaitInput,
@@ -32,7 +35,7 @@ from lifecycle.contracts import (
 from lifecycle.inputs import recovery_hold_rule
 from lifecycle.takeover import key_fingerprint, wait_until_booted
 from lifecycle.watchdog import spared_after_hold
-from providers import Reimager
+from providers import KnowsResets, Reimager
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +53,104 @@ class RecoveryActivities:
 
     @activity.defn
     async def reboot_through_provider(self, input: RebootInput) -> RebootResult:
-        """Power-cycle the machine through its provider, unless this recovery cycle's reboot is recorded already.
+        """Power-cycle the machine through its provider, unless this recovery cycle's reboot is recorded already,
+        or was asked by an attempt that died before its answer came and the machine shows it was done.
 
         Nothing is written here after the provider's call, so a BMDB blip cannot make a retry reboot again:
         record_reboot, a step of its own, writes the record.
         """
-        if await self.deps.bmdb.reboot_recorded(uuid.UUID(input.machine_id), input.cycle):
+        machine_id = uuid.UUID(input.machine_id)
+        if await self.deps.bmdb.reboot_recorded(machine_id, input.cycle):
             log.info(
                 "%s machine %s: recovery cycle %s rebooted it already", input.provider, input.provider_id, input.cycle
             )
             return RebootResult(went_down=True, detail=f"rebooted already in recovery cycle {input.cycle}")
-        rebooted = await _counted(
-            self.deps.metrics.reboots,
-            input.kind,
-            lambda: self.deps.provider(input.provider).reboot_machine(input.provider_id),
+        # A workflow older than recovery cycles names none: its reboots cannot be told apart.
+        asked_before = (
+            await self.deps.bmdb.ask_reboot(machine_id, input.cycle, datetime.now(UTC)) if input.cycle else None
         )
+        if asked_before is not None:
+            done = await self._reboot_done_unanswered(input, asked_before)
+            if done is not None:
+                return done
+        try:
+            rebooted = await _counted(
+                self.deps.metrics.reboots,
+                input.kind,
+                lambda: self.deps.provider(input.provider).reboot_machine(input.provider_id),
+            )
+        except Exception:
+            # The call ended in this attempt, with the provider's error: a retry asks as for the first time. Only an
+            # attempt that died with the call under way leaves its ask behind.
+            if input.cycle:
+                await self.deps.bmdb.reboot_answered(machine_id, input.cycle)
+            raise
         log.info("rebooted %s machine %s: %s (%s)", input.provider, input.provider_id, input.cause, rebooted.detail)
         return RebootResult(went_down=rebooted.went_down, detail=rebooted.detail)
+
+    async def _reboot_done_unanswered(self, input: RebootInput, asked_at: datetime) -> RebootResult | None:
+        """The result of the reboot an attempt before asked at asked_at and never heard answered, when the provider
+        or the machine shows it done; None when they show it was not, or show nothing within the boot deadline
+        from the ask: then the reboot is asked again.
+
+        While nothing shows, the machine may be booting from that reboot: this waits, as the boot wait does, and
+        past this attempt's time raises a retryable error for the next attempt to wait on.
+        """
+        give_up_at = asked_at + timedelta(seconds=self.deps.settings.boot_deadline)
+        info = activity.info()
+        attempt_ends = info.started_time + (info.start_to_close_timeout or timedelta(0)) - timedelta(seconds=10)
+        asked = f"the reboot asked at {asked_at.isoformat(timespec='seconds')} by an attempt that died unanswered"
+        while True:
+            evidence = await self._reset_evidence(input, asked_at)
+            if evidence.seen is ResetSeen.RESET:
+                log.info("%s machine %s: %s was done (%s)", input.provider, input.provider_id, asked, evidence.detail)
+                return RebootResult(went_down=True, detail=f"{asked} was done: {evidence.detail}")
+            if evidence.seen is ResetSeen.NOT_RESET:
+                log.info(
+                    "%s machine %s: %s never reached it (%s): asking again",
+                    input.provider,
+                    input.provider_id,
+                    asked,
+                    evidence.detail,
+                )
+                return None
+            now = datetime.now(UTC)
+            if now >= give_up_at:
+                log.warning(
+                    "%s machine %s: nothing showed %s within the boot deadline (%s): asking again",
+                    input.provider,
+                    input.provider_id,
+                    asked,
+                    evidence.detail,
+                )
+                return None
+            if now + timedelta(seconds=BOOT_POLL_SECONDS) >= attempt_ends:
+                raise ApplicationError(
+                    f"{asked} may still be booting it ({evidence.detail}); not asked again before "
+                    f"{give_up_at.isoformat(timespec='seconds')}",
+                    type="RebootMayBeUnderWay",
+                )
+            activity.heartbeat()
+            await asyncio.sleep(BOOT_POLL_SECONDS)
+
+    async def _reset_evidence(self, input: RebootInput, asked_at: datetime) -> ResetEvidence:
+        """What the provider's record of resets, or else the machine's own uptime, says of a reboot asked at
+        asked_at."""
+        provider = self.deps.provider(input.provider)
+        if isinstance(provider, KnowsResets):
+            async with provider_errors():
+                reset_at = await provider.last_reset(input.provider_id)
+            return judge_reset(reset_at, asked_at, f"provider {input.provider}'s record")
+        async with provider_errors():
+            machine = await provider.get_machine(input.provider_id)
+        if machine.address is None:
+            return ResetEvidence(ResetSeen.UNKNOWN, f"{input.provider} lists no address for {input.provider_id}")
+        record = await self.deps.bmdb.get_machine(uuid.UUID(input.machine_id))
+        target = self.deps.target(input.machine_id, machine, record.ssh_host_key if record is not None else None)
+        settings = self.deps.settings
+        return await reset_over_ssh(
+            target, asked_at, self.deps.ssh_key, settings.ssh_connect_timeout, settings.ssh_exec_timeout
+        )
 
     @activity.defn
     async def reimage_through_provider(self, input: RebootInput) -> ReimageResult:

@@ -14,8 +14,8 @@ from bmdb.store import BMDB, HostKeyPinned, HostKeyUnexpected, MachineRecord
 from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
 from lifecycle.takeover import HostKeyPin, PinRefused, TakeoverSettings, key_fingerprint, stop_agent, take_over
-from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, TakeoverTarget, unexpected_host_key
-from providers import MachineNotFound, ProviderMachine
+from lifecycle.takeover_failures import TakeoverError, TakeoverFailure, unexpected_host_key
+from providers import MachineNotFound
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TakeoverActivities:
                 type="MachineNotReady",
                 non_retryable=True,
             )
-        target = self._target(input.machine_id, machine.address, machine, record)
+        target = self.deps.target(input.machine_id, machine, record.ssh_host_key)
 
         pin = bmdb_pin(self.deps.bmdb, machine_id)
         try:
@@ -120,7 +120,7 @@ class TakeoverActivities:
             return f"{input.provider} has no machine {input.provider_id}: no agent to stop"
         if machine.address is None:
             return f"{input.provider} lists no address for {input.provider_id}: no agent was started"
-        target = self._target(input.machine_id, machine.address, machine, record)
+        target = self.deps.target(input.machine_id, machine, record.ssh_host_key)
         try:
             answer = await stop_agent(target, self._takeover_settings(), self.deps.ssh_key)
         except TakeoverError as error:
@@ -128,16 +128,6 @@ class TakeoverActivities:
             return f"not stopped over SSH ({error.problem}); its heartbeats are refused from now on"
         log.info("stopped the agent on %s machine %s: %s", input.provider, input.provider_id, answer)
         return f"stopped over SSH: {answer}"
-
-    def _target(self, machine_id: str, address: str, machine: ProviderMachine, record: MachineRecord) -> TakeoverTarget:
-        """Where SSH reaches the machine, as whom, and the host key it must show (none before first contact)."""
-        return TakeoverTarget(
-            machine_id=machine_id,
-            address=address,
-            port=machine.ssh_port,
-            username=machine.ssh_user or self.deps.settings.ssh_user,
-            pinned_host_key=record.ssh_host_key,
-        )
 
     async def _record(self, machine_id: uuid.UUID) -> MachineRecord:
         record = await self.deps.bmdb.get_machine(machine_id)

@@ -12,7 +12,14 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from bmdb.base import StoreBase
 from bmdb.records import HostKeyPinned, HostKeyUnexpected
-from bmdb.schema import events, machine_agent_heartbeat, machine_agent_started, machine_provided, recovery_reboots
+from bmdb.schema import (
+    events,
+    machine_agent_heartbeat,
+    machine_agent_started,
+    machine_provided,
+    reboot_asks,
+    recovery_reboots,
+)
 from foundation.ssh_sessions import host_key_fingerprint
 
 
@@ -166,6 +173,7 @@ class AgentRecords(StoreBase):
             )
             if recorded.first() is None:
                 return False
+            await _forget_reboot_ask(conn, machine_id, cycle)
             if reimaged:
                 # The one case where Shepherd lets go of a pin by itself: the next takeover pins the new OS's key.
                 # An operator's expected fingerprint goes too: it named a key the new OS no longer has.
@@ -176,6 +184,29 @@ class AgentRecords(StoreBase):
                 )
             await _forget_rebooted_agent(conn, machine_id, cause, "reimaged" if reimaged else "rebooted")
             return True
+
+    async def ask_reboot(self, machine_id: uuid.UUID, cycle: str, at: datetime) -> datetime | None:
+        """Note that the recovery cycle asks its provider for the reboot now (at); when an attempt before asked and
+        no answer came back (its worker died, or the answer was lost), the time it asked, and nothing changes."""
+        async with self.engine.begin() as conn:
+            noted = await conn.execute(
+                pg_insert(reboot_asks)
+                .values(machine_id=machine_id, cycle=cycle, asked_at=at)
+                .on_conflict_do_nothing()
+                .returning(reboot_asks.c.asked_at)
+            )
+            if noted.first() is not None:
+                return None
+            return await conn.scalar(
+                select(reboot_asks.c.asked_at).where(
+                    reboot_asks.c.machine_id == machine_id, reboot_asks.c.cycle == cycle
+                )
+            )
+
+    async def reboot_answered(self, machine_id: uuid.UUID, cycle: str) -> None:
+        """Forget the cycle's ask: the provider answered it (an error, so a retry asks again as for the first time)."""
+        async with self.engine.begin() as conn:
+            await _forget_reboot_ask(conn, machine_id, cycle)
 
     async def reboot_recorded(self, machine_id: uuid.UUID, cycle: str) -> bool:
         """Whether the recovery cycle's reboot was done and recorded."""
@@ -197,6 +228,10 @@ class AgentRecords(StoreBase):
         async with self.engine.connect() as conn:
             rows = await conn.execute(query.group_by(events.c.machine_id))
             return {machine_id: int(n) for machine_id, n in rows}
+
+
+async def _forget_reboot_ask(conn: Any, machine_id: uuid.UUID, cycle: str) -> None:
+    await conn.execute(delete(reboot_asks).where(reboot_asks.c.machine_id == machine_id, reboot_asks.c.cycle == cycle))
 
 
 async def forget_agent_records(conn: Any, machine_id: uuid.UUID) -> bool:

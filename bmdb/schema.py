@@ -111,6 +111,21 @@ recovery_reboots = Table(
     Column("cause", Text, nullable=False),
 )
 
+# A recovery cycle's reboot asked of the provider and not yet recorded done (recovery_reboots): a retry that finds
+# one looks for the reboot's evidence before asking again.
+reboot_asks = Table(
+    "reboot_asks",
+    metadata,
+    Column(
+        "machine_id",
+        UUID(as_uuid=True),
+        ForeignKey("machines.machine_id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("cycle", Text, primary_key=True),
+    Column("asked_at", DateTime(timezone=True), nullable=False),
+)
+
 # The watchdog's circuit breaker: a provider's hold of recoveries (too many machines silent at once, or no
 # heartbeat from any machine), with the operator's release; ended_at is set when the silence ends, and the
 # machines silent since before then get a grace to come back.

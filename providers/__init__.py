@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from foundation.foreign_text import foreign_text
@@ -208,6 +209,17 @@ class Reimager(Protocol):
         Returns once the provider has taken the job on; the machine answers SSH, with a new host key, when its
         new OS is up. Repeating the call while that reimage is under way starts no second one.
         """
+        ...
+
+
+@runtime_checkable
+class KnowsResets(Protocol):
+    """A provider that keeps when a machine was last reset (rebooted, power-cycled), as a BMC's LastResetTime does,
+    an optional capability: a recovery whose reboot was asked and never answered (its worker died) reads it before
+    it asks again, so a reboot done is not done twice."""
+
+    async def last_reset(self, provider_id: str) -> datetime | None:
+        """When the machine was last reset, timezone-aware; None when it has not been since the provider has it."""
         ...
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -137,13 +138,16 @@ class SimProvider:
 
     async def get_machine(self, provider_id: str) -> ProviderMachine:
         """The simulator's machine of that id; MachineNotFound when it has none."""
+        return parse_machine(await self._machine_payload(provider_id), f"get machine {provider_id}", self.name)
+
+    async def _machine_payload(self, provider_id: str) -> Any:
         where = f"get machine {provider_id}"
         status, payload = await self._request(where, "GET", self._machine_path(provider_id))
         if status == 404:
             raise MachineNotFound(self.name, provider_id)
         if status != 200:
             raise self._unexpected(where, status, payload)
-        return parse_machine(payload, where, self.name)
+        return payload
 
     async def create_machine(self, provider_id: str, idempotency_key: str, ssh_public_key: str) -> ProviderMachine:
         """Create a machine in the free slot provider_id, idempotently by key; CapacityConflict if it is taken."""
@@ -168,6 +172,26 @@ class SimProvider:
             raise self._unexpected(where, status, payload)
         # The simulator answers once the machine's SSH is down for the boot.
         return Rebooted(went_down=True, detail="the simulator took SSH down for the boot")
+
+    async def last_reset(self, provider_id: str) -> datetime | None:
+        """When the simulator last rebooted or reimaged the machine (its last_reset_at), None if never."""
+        where = f"get machine {provider_id}"
+        payload = await self._machine_payload(provider_id)
+        parse_machine(payload, where, self.name)
+        value = payload.get("last_reset_at")
+        if value is None:
+            return None
+        try:
+            at = datetime.fromisoformat(value) if isinstance(value, str) else None
+        except ValueError:
+            at = None
+        if at is None or at.tzinfo is None:
+            raise ProviderProtocolError(
+                self.name,
+                f"{where}: field 'last_reset_at' must be an ISO 8601 time with its zone or null, got "
+                f"{str(value)[:80]!r}",
+            )
+        return at
 
     async def reimage_machine(self, provider_id: str, ssh_public_key: str) -> Reimaged:
         """Reimage the machine with ssh_public_key for root; the simulator answers once its SSH is down for the boot.

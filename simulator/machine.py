@@ -21,6 +21,7 @@ import shlex
 import shutil
 import signal
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncssh
@@ -87,6 +88,8 @@ class SimulatedMachine:
         self.exec_delay = exec_delay
         self.connections: set[asyncssh.SSHServerConnection] = set()
         self.status = "active"
+        # When the machine was last reset (rebooted, reimaged), as a BMC's LastResetTime says; None before any.
+        self.last_reset_at: datetime | None = None
         self._server: asyncssh.SSHAcceptor | None = None
         self._boot: asyncio.Task[None] | None = None
 
@@ -180,6 +183,7 @@ class SimulatedMachine:
     def _boot_after(self, boot_seconds: float, refused: Callable[[], bool], status: str) -> None:
         """Keep the machine in status, down, until it boots after boot_seconds, SSH up unless refused()."""
         self.status = status
+        self.last_reset_at = datetime.now(UTC)
         # A boot under way is superseded: the machine went down again before it was up.
         if self._boot is not None:
             self._boot.cancel()

@@ -68,6 +68,8 @@ class Simulator:
         )
         self._machines_gauge = meter.create_gauge("shepherd_sim_machines", "Simulated machines, by status")
         self._reboots = meter.create_counter("shepherd_sim_reboots_total", "Reboots asked for through the API")
+        # Reboots of each machine since the simulator started, for /admin/state: a machine rebooted twice shows.
+        self.reboots: dict[str, int] = {}
         self._reimages = meter.create_counter(
             "shepherd_sim_reimages_total", "Reimages done through the API, repeats of one under way not counted"
         )
@@ -170,6 +172,7 @@ class Simulator:
             "ssh_port": machine.ssh_port,
             "location": location,
             "status": machine.status,
+            "last_reset_at": machine.last_reset_at.isoformat() if machine.last_reset_at else None,
         }
 
     async def apply_faults(self, changes: dict[str, Any]) -> None:
@@ -258,7 +261,10 @@ class Simulator:
         if machine is None:
             return _error(404, f"no machine {slot}")
         self._reboots.add(1)
+        self.reboots[slot] = self.reboots.get(slot, 0) + 1
         await machine.reboot(self.config.boot_seconds, lambda: self.faults.refuses(slot))
+        if self.faults.reboot_answer_delay:
+            await asyncio.sleep(self.faults.reboot_answer_delay)
         return web.json_response(self.view(slot), status=202)
 
     async def _reimage(self, request: web.Request) -> web.Response:
@@ -315,6 +321,7 @@ class Simulator:
                 "machines": sorted(self.state.machines),
                 "creations": self.state.creations,
                 "reimages": self.state.reimages,
+                "reboots": self.reboots,
                 "idempotency_keys": sorted(m.idempotency_key for m in self.state.machines.values()),
                 "faults": {**self.faults.__dict__},
             }

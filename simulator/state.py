@@ -22,10 +22,13 @@ class Faults:
     # Machine ids whose SSH server refuses connections; "*" for all.
     ssh_refuse: list[str] = field(default_factory=list)
     exec_delay: float = 0.0
+    # Seconds a reboot's answer comes after the power cycle, as from a BMC that answers late or not at all: the
+    # moment a worker may die with the reboot done and its answer not yet in.
+    reboot_answer_delay: float = 0.0
 
     def check(self) -> Faults:
         """The faults themselves, once every knob is in range; ValueError naming the first that is not."""
-        for name in ("api_latency", "api_error_rate", "api_malformed_rate", "exec_delay"):
+        for name in ("api_latency", "api_error_rate", "api_malformed_rate", "exec_delay", "reboot_answer_delay"):
             # nan passes every comparison below, and a nan or infinite delay holds every call for ever.
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
@@ -33,7 +36,7 @@ class Faults:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {value}")
-        for name in ("api_latency", "exec_delay"):
+        for name in ("api_latency", "exec_delay", "reboot_answer_delay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not isinstance(self.ssh_refuse, list) or not all(isinstance(m, str) for m in self.ssh_refuse):

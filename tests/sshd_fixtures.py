@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +59,15 @@ def wait_until_listening(process: subprocess.Popen[bytes], port: int, log: Path)
 
 
 @contextmanager
-def running_sshd(directory: Path, extra_config: str = "", client_key: asyncssh.SSHKey | None = None) -> Iterator[Sshd]:
+def running_sshd(
+    directory: Path,
+    extra_config: str = "",
+    client_key: asyncssh.SSHKey | None = None,
+    launcher: Sequence[str] = (),
+) -> Iterator[Sshd]:
     """sshd as the current user on a free loopback port, configured in directory (plus extra_config), accepting
     only a client key of its own (or client_key, for machines that all let one Shepherd in); stopped, with every
-    agent started through it, on leaving."""
+    agent started through it, on leaving. launcher is the command sshd is started through (unshare, for one)."""
     if not SSHD.exists():
         pytest.skip(f"OpenSSH's sshd is not installed at {SSHD} (Debian package openssh-server)")
     host_key = asyncssh.generate_private_key("ssh-ed25519")
@@ -92,7 +97,7 @@ Subsystem sftp internal-sftp
     log_path = directory / "sshd.log"
     with log_path.open("wb") as log:
         # -D: stay in the foreground, so terminate() stops it; -e: log to stderr, here the log file.
-        process = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
+        process = subprocess.Popen([*launcher, str(SSHD), "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
     try:
         wait_until_listening(process, port, log_path)
         yield Sshd(
