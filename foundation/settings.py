@@ -122,6 +122,21 @@ class Settings:
         "Heartbeat streams one server process keeps open at once from one address, so one host cannot take them all "
         "(0: no limit; behind a proxy that hides the agents' addresses)",
     )
+    heartbeat_max_connections: int = _setting(
+        210_000,
+        "Connections one heartbeat server process keeps open at once, past which a new one is closed as it comes (an "
+        "agent holds one, streaming or not); at least heartbeat_max_streams",
+    )
+    heartbeat_max_connections_per_address: int = _setting(
+        5_000,
+        "Connections one heartbeat server process keeps open at once from one address; past it the extra ones are "
+        "closed, those without a stream first (0: no limit; behind a proxy that hides the agents' addresses)",
+    )
+    heartbeat_idle_timeout: float = _duration(
+        120.0,
+        "A heartbeat connection with no call open this long is closed; at least twice heartbeat_interval, so an "
+        "agent sending unary calls keeps its connection",
+    )
     heartbeat_ipv6_prefix: int = _setting(
         64, "Prefix length an IPv6 address is counted by in the per-address limits: a host holds a whole /64"
     )
@@ -313,6 +328,7 @@ class Settings:
             ("heartbeat_peer_rate", 0),
             ("heartbeat_max_streams", 1),
             ("heartbeat_max_streams_per_address", 0),
+            ("heartbeat_max_connections_per_address", 0),
             ("heartbeat_key_reads_per_address", 0),
             ("heartbeat_key_reads", 0),
             ("heartbeat_processes", 1),
@@ -337,6 +353,19 @@ class Settings:
                 "heartbeat_interval",
                 f"must be below heartbeat_timeout ({self.heartbeat_timeout:g}s), got {self.heartbeat_interval:g}s: "
                 "every agent would be found silent between two heartbeats",
+            )
+        if self.heartbeat_max_connections < self.heartbeat_max_streams:
+            raise SettingsError(
+                "heartbeat_max_connections",
+                f"must be at least heartbeat_max_streams ({self.heartbeat_max_streams:,}), got "
+                f"{self.heartbeat_max_connections:,}: an agent holds its stream on a connection of its own",
+            )
+        if self.heartbeat_idle_timeout < 2 * self.heartbeat_interval:
+            raise SettingsError(
+                "heartbeat_idle_timeout",
+                f"must be at least twice heartbeat_interval ({self.heartbeat_interval:g}s), got "
+                f"{self.heartbeat_idle_timeout:g}s: an agent sending unary calls would lose its connection between "
+                "two heartbeats",
             )
         if self.heartbeat_max_skew > self.heartbeat_timeout:
             raise SettingsError(

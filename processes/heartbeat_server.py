@@ -34,6 +34,7 @@ from foundation.setting_values import SettingsError, check_listen_address, parse
 from foundation.settings import Settings
 from foundation.startup import StartupError
 from foundation.tls import NOT_BEFORE_MARGIN, CertificateProblem, ReloadedKeyPair, agent_ca_bundle_file
+from processes.heartbeat_connections import ConnectionGuard
 from processes.heartbeat_service import HeartbeatService
 from proto import agent_api_pb2
 
@@ -52,6 +53,11 @@ MAX_REQUEST_SIZE = 1024
 KEEPALIVE_TIME_MS = 120_000
 
 KEEPALIVE_TIMEOUT_MS = 20_000
+
+# A connection that has not finished its TLS handshake this long after it was accepted is closed (gRPC's own
+# default is 2 minutes): the agent gives up on a handshake after its connect timeout of 10 s anyway, and a
+# connection that never starts one is an open file held by no one who could heartbeat.
+HANDSHAKE_TIMEOUT = 10.0
 
 # How often serve_in_processes looks at its processes, and how long each may take to stop.
 PROCESS_POLL = 1.0
@@ -138,6 +144,9 @@ def build_server(
     *,
     maximum_concurrent_rpcs: int | None = None,
     share_port: bool = False,
+    max_connections: int = Settings.heartbeat_max_connections,
+    idle_timeout: float = Settings.heartbeat_idle_timeout,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
 ) -> tuple[grpc.aio.Server, int]:
     """The gRPC server and the port it bound; tls is the ServingCertificate, or its (certificate chain, private
     key) PEM files.
@@ -146,6 +155,10 @@ def build_server(
     which gRPC answers RESOURCE_EXHAUSTED before the service sees the call: by default the service's streams and
     heartbeats in flight, so the service's own, finer caps are the ones that act. share_port binds with
     SO_REUSEPORT, for several processes of ours on one port (serve_in_processes).
+
+    gRPC's core closes a connection past max_connections as it is accepted, one with no call open for idle_timeout
+    seconds (after a GOAWAY, which the agent reconnects on), and one without its TLS handshake done in
+    handshake_timeout; a connection holding a stream is never idle, however long between its heartbeats.
     """
     if maximum_concurrent_rpcs is None:
         maximum_concurrent_rpcs = service.max_streams + service.max_in_flight
@@ -160,6 +173,9 @@ def build_server(
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             # A dead peer sends no data: the server's pings must not wait for data between them to go on.
             ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_allowed_incoming_connections", max_connections),
+            ("grpc.max_connection_idle_ms", int(idle_timeout * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
         ],
     )
     # Requests are parsed by the service, so malformed bytes get INVALID_ARGUMENT (MALFORMED), not a generic error.
@@ -270,7 +286,14 @@ async def run_heartbeat_server(
         key_reads=settings.heartbeat_key_reads,
     )
     try:
-        server, _ = build_server(service, settings.heartbeat_listen, tls, share_port=share_port)
+        server, port = build_server(
+            service,
+            settings.heartbeat_listen,
+            tls,
+            share_port=share_port,
+            max_connections=settings.heartbeat_max_connections,
+            idle_timeout=settings.heartbeat_idle_timeout,
+        )
     except OSError as error:
         await bmdb.close()
         raise OSError(f"{error} (setting heartbeat_listen)") from None
@@ -284,22 +307,37 @@ async def run_heartbeat_server(
         log.warning("could not load the agents' keys (%s); each is read from BMDB at its first heartbeat", error)
         loaded = 0
     await server.start()
+    per_address = settings.heartbeat_max_connections_per_address
     log.info(
-        "heartbeat server on %s (%s), %d agent keys loaded, open files (a connection an agent): %s",
+        "heartbeat server on %s (%s), %d agent keys loaded, open files (a connection an agent): %s; connections: at "
+        "most %s, %s from one address, closed after %gs with no call open",
         settings.heartbeat_listen,
         "plain text" if tls is None else "TLS",
         loaded,
         "no limit" if open_files == resource.RLIM_INFINITY else f"at most {open_files:,}",
+        f"{settings.heartbeat_max_connections:,}",
+        f"{per_address:,}" if per_address else "any number",
+        settings.heartbeat_idle_timeout,
     )
     # Without /metrics the files are still looked at each minute, so a bad new pair is logged even while no
     # agent connects.
     watching = asyncio.create_task(expiry.run(stop))
+    guard = ConnectionGuard(
+        port,
+        per_address,
+        ipv6_prefix=settings.heartbeat_ipv6_prefix,
+        holding_streams=service.stream_peers.keys,
+        most_streams_from_one_address=lambda: max(service.streams_by_address.values(), default=0),
+        meter=meter_of(runtime),
+    )
+    guarding = asyncio.create_task(guard.run(stop))
     try:
         await stop.wait()
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         watching.cancel()
+        guarding.cancel()
         service.end_streams()
         await server.stop(grace=5)
         await service.close()

@@ -178,6 +178,9 @@ class HeartbeatService:
         # Address -> its streams open now; an address is dropped with its last stream, so this holds only
         # addresses with a stream open and needs no bound of its own.
         self.streams_by_address: dict[str, int] = {}
+        # Peer (context.peer(), one a connection) -> its streams open now: the connection guard
+        # (processes.heartbeat_connections) closes the connections without one first.
+        self.stream_peers: dict[str, int] = {}
         # The stream handlers waiting for their next heartbeat, and whether the streams are being ended.
         self._reading: set[asyncio.Task[object]] = set()
         self._ending_streams = False
@@ -251,6 +254,7 @@ class HeartbeatService:
         # its address's count goes down with it.
         self.streams += 1
         self.streams_by_address[host] = from_address + 1
+        self.stream_peers[peer] = self.stream_peers.get(peer, 0) + 1
         task = asyncio.current_task()
         assert task is not None
         try:
@@ -282,6 +286,11 @@ class HeartbeatService:
                 self.streams_by_address[host] = left
             else:
                 del self.streams_by_address[host]
+            on_peer = self.stream_peers[peer] - 1
+            if on_peer:
+                self.stream_peers[peer] = on_peer
+            else:
+                del self.stream_peers[peer]
 
     def end_streams(self) -> None:
         """Close every stream with UNAVAILABLE once its heartbeat in flight, if any, is answered: at shutdown, so
