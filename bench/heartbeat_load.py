@@ -6,7 +6,11 @@ waits for a line on standard input, sends them back to back with at most
 --concurrency in flight over --channels connections for --seconds, and prints
 what it saw as one JSON line. With --call unary each heartbeat is a Heartbeat
 call; with --call stream, --concurrency Heartbeats streams share the
-connections, and each sends its next heartbeat when the last is answered.
+connections, and each sends its next heartbeat when the last is answered. With
+--call connect each heartbeat is a Heartbeat call on a connection of its own,
+opened for it (a TLS handshake) and closed after its answer, as an agent that
+holds no connection between heartbeats; --call connect-resumed the same, its
+TLS sessions resumed from a cache the connections share.
 
 With --idle N it holds N idle agents instead, spread over --channels
 connections: each sends one heartbeat, as a unary call (--call unary) or on a
@@ -32,6 +36,7 @@ from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from grpc.experimental.session_cache import ssl_session_cache_lru
 
 from agent.heartbeat import signed_heartbeat
 from processes.heartbeat_server import SERVICE
@@ -43,6 +48,9 @@ CALL_TIMEOUT = 10.0
 # Requests signed per machine at most: a run longer than the fleet needs sends each machine's again, a millisecond
 # later, so it is not a replay.
 ROUNDS = 4
+# The calls that open a connection for each heartbeat and close it after the answer: without TLS session
+# resumption, and with it (a cache of the sessions the server handed out, shared by the load's connections).
+CONNECTING = ("connect", "connect-resumed")
 # Idle agents sending their first heartbeat at once.
 IDLE_SLICE = 500
 
@@ -78,9 +86,13 @@ class LoadSeen:
     p99: float
 
 
-def open_channels(args: argparse.Namespace, ca: bytes | None, count: int) -> list[grpc.aio.Channel]:
+def open_channels(
+    args: argparse.Namespace, ca: bytes | None, count: int, session_cache: Any = None
+) -> list[grpc.aio.Channel]:
     # A subchannel pool each, so every channel is a connection of its own.
-    options = [("grpc.use_local_subchannel_pool", 1)]
+    options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
+    if session_cache is not None:
+        options.append(("grpc.ssl_session_cache", session_cache))
     if ca is not None:
         credentials = grpc.ssl_channel_credentials(root_certificates=ca)
         return [grpc.aio.secure_channel(args.target, credentials, options=options) for _ in range(count)]
@@ -102,12 +114,15 @@ def heartbeat_methods(channels: list[grpc.aio.Channel], call: str) -> list[Any]:
 
 
 async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None) -> LoadSeen:
-    channels = open_channels(args, ca, args.channels)
+    # An agent that connects for each heartbeat holds no connection before it: none are opened beforehand.
+    channels = [] if args.call in CONNECTING else open_channels(args, ca, args.channels)
     await asyncio.gather(*(channel.channel_ready() for channel in channels))
+    # One cache for every connection, as one agent keeps its TLS session from one heartbeat to its next.
+    session_cache = ssl_session_cache_lru(args.concurrency) if args.call == "connect-resumed" else None
     latencies: list[float] = []
     rejected: Counter[str] = Counter()
     pending = iter(requests)
-    calls = opened = heartbeat_methods(channels, args.call)
+    calls = opened = heartbeat_methods(channels, "unary" if args.call in CONNECTING else args.call)
     if args.call == "stream":
         streams = [opened[slot % len(opened)]() for slot in range(args.concurrency)]
     print("ready", flush=True)
@@ -126,6 +141,22 @@ async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None
             except grpc.aio.AioRpcError as error:
                 rejected[error.code().name] += 1
                 continue
+            latencies.append(time.perf_counter() - sent)
+
+    async def connection_each(slot: int) -> None:
+        for request in pending:
+            if time.perf_counter() >= deadline:
+                return
+            sent = time.perf_counter()
+            (channel,) = open_channels(args, ca, 1, session_cache)
+            (call,) = heartbeat_methods([channel], "unary")
+            try:
+                await call(request, timeout=CALL_TIMEOUT)
+            except grpc.aio.AioRpcError as error:
+                rejected[error.code().name] += 1
+                continue
+            finally:
+                await channel.close()
             latencies.append(time.perf_counter() - sent)
 
     async def on_stream(slot: int) -> None:
@@ -151,6 +182,8 @@ async def send(args: argparse.Namespace, requests: list[bytes], ca: bytes | None
 
     if args.call == "unary":
         await asyncio.gather(*(in_turn(slot) for slot in range(args.concurrency)))
+    elif args.call in CONNECTING:
+        await asyncio.gather(*(connection_each(slot) for slot in range(args.concurrency)))
     else:
         await asyncio.gather(*(on_stream(slot) for slot in range(args.concurrency)))
     elapsed = time.perf_counter() - start
@@ -191,7 +224,10 @@ async def hold_idle(args: argparse.Namespace, requests: list[bytes], ca: bytes |
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 refused[(await stream.code()).name] += 1
                 return
-        if answer is grpc.aio.EOF or agent_api_pb2.HeartbeatResponse.FromString(answer).outcome != Outcome.ACCEPTED:
+        if answer is grpc.aio.EOF:
+            # The stream ended unanswered: how it ended says why (a TLS or HTTP/2 failure is not a refusal).
+            refused[f"ended {(await stream.code()).name}: {await stream.details()}"] += 1
+        elif agent_api_pb2.HeartbeatResponse.FromString(answer).outcome != Outcome.ACCEPTED:
             refused["not accepted"] += 1
 
     # In slices, so the server is not asked for thousands of TLS handshakes at once.
@@ -220,7 +256,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--channels", type=int, required=True)
-    parser.add_argument("--call", choices=("unary", "stream"), default="unary")
+    parser.add_argument("--call", choices=("unary", "stream", *CONNECTING), default="unary")
     parser.add_argument("--idle", type=int, default=0, help="hold this many idle agents instead")
     args = parser.parse_args()
     if args.idle:

@@ -12,9 +12,13 @@ server       the real heartbeat server (TLS unless --plaintext), its agent keys
              back, at most --concurrency in flight over --channels connections,
              for --seconds: on --concurrency Heartbeats streams, each sending
              its next heartbeat when the last is answered, and as unary
-             Heartbeat calls (--call stream, unary or both, one after the
-             other against the same server). The server's own CPU is measured
-             apart from the load's.
+             Heartbeat calls (--call stream,unary or both, one after the
+             other against the same server). --call connect sends unary calls
+             each on a connection opened for it and closed after it, as agents
+             that hold no connection between heartbeats, connect-resumed the
+             same with TLS sessions resumed; the server's CPU a heartbeat of
+             each call is then set against the stream's. The server's own CPU
+             is measured apart from the load's.
 
 Then it times refusals one at a time: a wrong key on a real id against an
 unknown id, which must not be told apart, as unary calls and as messages of
@@ -30,11 +34,17 @@ stream       a connection an agent, a stream open on each with one heartbeat
 shared       the same streams over --idle-channels connections: what a stream
              costs alone.
 
+Each case is held by a fresh bare gRPC server too (bench.heartbeat_floor), with
+the same TLS and options and a handler that does nothing: the floor, which the
+server's figure is set against; --floor-option NAME=VALUE adds a third, the
+floor with gRPC core options added, set against the floor.
+
 --idle-only runs this part alone (with the registration it needs). Run:
 
     python -m bench.heartbeats [--machines 100000] [--seconds 20] [--concurrency 200] [--channels 8]
                                [--call both] [--plaintext] [--processes 1] [--refusals 1000]
                                [--idle-agents 2000,5000,10000] [--idle-channels 8] [--idle-only]
+                               [--floor-option grpc.NAME=VALUE ...]
 
 With --processes N above 1 the server is `shepherd heartbeat-server --processes N`
 instead, its processes' CPU summed.
@@ -55,6 +65,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -65,6 +76,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent.heartbeat import signed_heartbeat
 from bench.bmdb_rows import BenchMachine, insert_machines
+from bench.heartbeat_floor import core_option
 from bench.heartbeat_load import LoadSeen, agent_key, machine_id
 from bmdb import migrate
 from bmdb.local_postgres import LocalPostgres
@@ -343,6 +355,7 @@ class ServerProcesses:
             # One address sends everything here, and holds every idle agent's stream.
             "SHEPHERD_HEARTBEAT_PEER_RATE": "0",
             "SHEPHERD_HEARTBEAT_MAX_STREAMS_PER_ADDRESS": "0",
+            "SHEPHERD_HEARTBEAT_MAX_CONNECTIONS_PER_ADDRESS": "0",
         }
         if tls is None:
             env["SHEPHERD_HEARTBEAT_PLAINTEXT"] = "true"
@@ -399,6 +412,38 @@ class ServerProcesses:
         return True
 
 
+class FloorProcess:
+    """bench.heartbeat_floor: a bare gRPC server with the heartbeat server's TLS and options, in a process of its
+    own, core options of extra added to them."""
+
+    def __init__(self, extra: list[tuple[str, int]]) -> None:
+        self.extra = extra
+        self.command: asyncio.subprocess.Process | None = None
+
+    async def start(self, tls: tuple[Path, Path] | None) -> str:
+        command = [sys.executable, "-m", "bench.heartbeat_floor"]
+        if tls is not None:
+            command += ["--certificate", str(tls[0]), "--key", str(tls[1])]
+        for name, value in self.extra:
+            command += ["--option", f"{name}={value}"]
+        self.command = await asyncio.create_subprocess_exec(*command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.command.stdout is not None
+        port = (await self.command.stdout.readline()).strip()
+        if not port:
+            raise SystemExit("the bare gRPC server did not start")
+        return f"127.0.0.1:{int(port)}"
+
+    def servers(self) -> list[int]:
+        assert self.command is not None
+        return [self.command.pid]
+
+    async def stop(self) -> None:
+        if self.command is not None and self.command.returncode is None:
+            assert self.command.stdin is not None
+            self.command.stdin.close()
+            await self.command.wait()
+
+
 async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) -> bool:
     """Run the baseline and the server under load, print both; False if any heartbeat was rejected."""
     setup = time.perf_counter()
@@ -419,7 +464,8 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
     try:
         target = await server.start(tls)
         clean = True
-        for call in ("stream", "unary") if args.call == "both" else (args.call,):
+        cpu_each: dict[str, float] = {}
+        for call in args.call:
             load = await start_load(args, target, ca_certificate, call)
             cpu_before, pg_before = server.cpu_seconds(), postgres_cpu_seconds(pg_data)
             load_before = process_cpu_seconds(load.pid)
@@ -434,7 +480,9 @@ async def measure(url: str, pg_data: Path, tmp: Path, args: argparse.Namespace) 
             seen = LoadSeen(**json.loads(answer))
             pg_cpu = None if pg_before is None or pg_after is None else pg_after - pg_before
             report(args, call, seen, cpu, pg_cpu, load_cpu, server, raw_single, raw_many)
+            cpu_each[call] = cpu / max(seen.accepted, 1)
             clean = clean and not seen.rejected
+        compare_cpu(cpu_each)
         channel = open_channel(target, ca_certificate)
         try:
             stub = agent_api_pb2_grpc.AgentCallbackStub(channel)
@@ -458,47 +506,94 @@ IDLE_CASES = {
 SETTLE_SECONDS = 3.0
 
 
+@dataclass(frozen=True)
+class PerAgent:
+    """What an agent costs, in KiB, from resident memory read before and while counts of agents were held.
+
+    slope is the memory the largest count added over the smallest's, an agent: what one more agent costs, one-off
+    costs (the first connection's buffers, the allocator's arenas) left out. low and high are the least and most
+    KiB an agent of any one count, (with them - before) / count: the spread of the figures the slope stands among.
+    """
+
+    slope: float
+    low: float
+    high: float
+
+
+def per_agent(samples: dict[int, tuple[float, float]]) -> PerAgent:
+    """From {agents: (MiB before, MiB with them)}, at least one count; the slope of one count is its own KiB an
+    agent."""
+    each = [(during - before) * 1024 / count for count, (before, during) in samples.items()]
+    low, high = min(samples), max(samples)
+    if low == high:
+        return PerAgent(slope=each[0], low=each[0], high=each[0])
+    # Each count's memory with the agents above its own server's before: the servers are fresh, and differ a little.
+    above = {count: during - before for count, (before, during) in samples.items()}
+    return PerAgent(slope=(above[high] - above[low]) * 1024 / (high - low), low=min(each), high=max(each))
+
+
 async def idle_memory(
     args: argparse.Namespace, url: str, tmp: Path, tls: tuple[Path, Path] | None, ca_certificate: Path | None
 ) -> None:
-    """What idle agents cost a server process in memory, each case against a fresh one."""
+    """What idle agents cost a server process in memory, each case against a fresh one, beside what they cost a
+    bare gRPC server with the same TLS (the floor), fresh too."""
     transport = "plain text" if args.plaintext else "TLS"
+    hosts: dict[str, Callable[[], ServerProcesses | FloorProcess]] = {
+        "server": lambda: ServerProcesses(url, 1, tmp, quiet=True),
+        "floor": lambda: FloorProcess([]),
+    }
+    if args.floor_option:
+        hosts["floor+"] = lambda: FloorProcess(args.floor_option)
     print(
         f"idle agents: each case a fresh shepherd heartbeat-server (one process, {transport}, {args.machines:,}"
-        " keys loaded), the agents held by another process after one heartbeat each; server RSS from /proc:"
+        " keys loaded), and a fresh bare gRPC server with the same TLS and options as its floor, the agents held by"
+        " another process after one heartbeat each; RSS from /proc, KiB an agent = (with them - before) / agents:"
     )
-    print(f"  {'agents':>7}  {'held as':46} {'RSS before':>10} {'with them':>10} {'an agent':>10} {'fds':>7}")
-    per_agent: dict[str, dict[int, tuple[float, float]]] = {case: {} for case in IDLE_CASES}
+    if args.floor_option:
+        options = ", ".join(f"{name}={value}" for name, value in args.floor_option)
+        print(f"  floor+ is the floor with {options}, its ratio to the floor's")
+    header = f"  {'agents':>7}  {'held as':46} {'server before':>13} {'with them':>10} {'an agent':>10}"
+    header += f" {'floor':>10} {'ratio':>6}" + (f" {'floor+':>10} {'ratio':>6}" if args.floor_option else "")
+    print(header + f" {'fds':>7}")
+    samples: dict[tuple[str, str], dict[int, tuple[float, float]]] = {
+        (host, case): {} for host in hosts for case in IDLE_CASES
+    }
     for count in args.idle_agents:
         for case, label in IDLE_CASES.items():
-            before, during, fds, refused = await idle_case(args, url, tmp, tls, ca_certificate, case, count)
-            per_agent[case][count] = (before, during)
-            held = label.format(channels=args.idle_channels)
-            note = f"  refused: {refused}" if refused else ""
-            print(
-                f"  {count:7,}  {held:46} {before:7,.0f} MiB {during:6,.0f} MiB"
-                f" {(during - before) * 1024 / count:6,.1f} KiB {fds:7,}{note}"
-            )
-    counts = sorted(args.idle_agents)
-    print("  an agent, from the largest count (and between the smallest and the largest, without one-off costs):")
+            line = f"  {count:7,}  {label.format(channels=args.idle_channels):46}"
+            kib: dict[str, float] = {}
+            for host, make in hosts.items():
+                before, during, fds, refused = await idle_case(args, make(), tls, ca_certificate, case, count)
+                if refused:
+                    raise SystemExit(f"{host}: idle agents refused, the memory is not theirs: {refused}")
+                samples[host, case][count] = (before, during)
+                kib[host] = (during - before) * 1024 / count
+                if host == "server":
+                    line += f" {before:9,.0f} MiB {during:6,.0f} MiB {kib[host]:6,.1f} KiB"
+                    server_fds = fds
+                elif host == "floor":
+                    line += f" {kib[host]:6,.1f} KiB {kib['server'] / kib[host]:6.2f}"
+                else:
+                    line += f" {kib[host]:6,.1f} KiB {kib[host] / kib['floor']:6.2f}"
+            print(f"{line} {server_fds:7,}")
+    print("  an agent: the slope from the smallest count to the largest (the range of the counts' own figures):")
     for case, label in IDLE_CASES.items():
-        before, during = per_agent[case][counts[-1]]
-        kib = (during - before) * 1024 / counts[-1]
-        marginal = ""
-        if len(counts) > 1:
-            low, high = per_agent[case][counts[0]][1], during
-            marginal = f" ({(high - low) * 1024 / (counts[-1] - counts[0]):,.1f} KiB)"
-        fleet = before + kib * 100_000 / 1024
-        print(
-            f"  {label.format(channels=args.idle_channels):46} {kib:6,.1f} KiB{marginal}:"
-            f" {fleet:,.0f} MiB for 100,000 agents, the server's {before:,.0f} MiB included"
-        )
+        figures = {host: per_agent(samples[host, case]) for host in hosts}
+        line = f"  {label.format(channels=args.idle_channels):46}"
+        for host, figure in figures.items():
+            line += f"  {host} {figure.slope:5,.1f} KiB ({figure.low:,.1f}-{figure.high:,.1f})"
+        ratio = figures["server"].slope / figures["floor"].slope
+        print(f"{line}  server/floor {ratio:.2f}")
+    stream = per_agent(samples["server", "stream"])
+    base = max(before for before, _ in samples["server", "stream"].values())
+    print(f"  sized from an agent of today ({stream.slope:,.1f} KiB) and the server's {base:,.0f} MiB before:")
+    for fleet in (10_000, 100_000, 1_000_000):
+        print(f"    {fleet:9,} agents on one process: {base + stream.slope * fleet / 1024:9,.0f} MiB")
 
 
 async def idle_case(
     args: argparse.Namespace,
-    url: str,
-    tmp: Path,
+    host: ServerProcesses | FloorProcess,
     tls: tuple[Path, Path] | None,
     ca_certificate: Path | None,
     case: str,
@@ -506,10 +601,9 @@ async def idle_case(
 ) -> tuple[float, float, int, dict[str, int]]:
     """A fresh server's RSS in MiB before and while count idle agents are held, its open files then, and the
     agents refused."""
-    server = ServerProcesses(url, 1, tmp, quiet=True)
     try:
-        target = await server.start(tls)
-        (pid,) = server.servers()
+        target = await host.start(tls)
+        (pid,) = host.servers()
         await asyncio.sleep(SETTLE_SECONDS)
         before = status_mib(pid, "VmRSS")
         channels = args.idle_channels if case == "shared" else count
@@ -532,7 +626,7 @@ async def idle_case(
         await load.wait()
         return before, during, fds, held["refused"]
     finally:
-        await server.stop()
+        await host.stop()
 
 
 async def start_load(
@@ -550,6 +644,17 @@ async def start_load(
     if (await load.stdout.readline()).strip() != b"ready":
         raise SystemExit("the load process did not start")
     return load
+
+
+def compare_cpu(cpu_each: dict[str, float]) -> None:
+    """The server's CPU a heartbeat of each call against the stream's of the same run, and what a fleet of 100,000
+    agents at the default interval needs of it in cores."""
+    if "stream" not in cpu_each or len(cpu_each) < 2:
+        return
+    rate = 100_000 / DEFAULTS.heartbeat_interval
+    print(f"server CPU a heartbeat, each call against the stream's; cores for 100,000 agents at {rate:,.0f}/s:")
+    for call, seconds in cpu_each.items():
+        print(f"  {call:16} {seconds * 1e6:6,.0f} µs  {seconds / cpu_each['stream']:5.2f}  {seconds * rate:5.2f} cores")
 
 
 def open_channel(target: str, ca_certificate: Path | None) -> grpc.aio.Channel:
@@ -577,10 +682,16 @@ def report(
     print(f"raw psycopg, the same conditional upsert, {RAW_CONNECTIONS} connections, {RAW_SECONDS:.0f} s each:")
     print(f"  one a statement        {raw_single:9,.0f} heartbeats/s")
     print(f"  {RAW_BATCH} a statement        {raw_many:9,.0f} heartbeats/s")
-    load = f"{args.concurrency} streams" if call == "stream" else f"unary calls, at most {args.concurrency} in flight,"
+    load = {
+        "stream": f"{args.concurrency} streams over {args.channels} connections",
+        "unary": f"unary calls, at most {args.concurrency} in flight, over {args.channels} connections",
+        "connect": f"unary calls, at most {args.concurrency} in flight, each on a connection of its own",
+        "connect-resumed": f"unary calls, at most {args.concurrency} in flight, each on a connection of its own"
+        " resuming a TLS session",
+    }[call]
     print(
         f"heartbeat server, {args.processes} process{'es' if args.processes > 1 else ''}, {args.machines:,} machines,"
-        f" {transport}, load from another process: {load} over {args.channels} connections, {elapsed:.1f} s:"
+        f" {transport}, load from another process: {load}, {elapsed:.1f} s:"
     )
     print(
         f"  accepted     {rate:,.0f} heartbeats/s ({accepted:,} in all), {rate / raw_single:.2f} of raw psycopg's"
@@ -605,6 +716,18 @@ def report(
         print("  (the load process sent every request it had signed before the time was up)")
 
 
+CALLS = ("stream", "unary", "connect", "connect-resumed")
+
+
+def calls(text: str) -> list[str]:
+    """--call: the calls the load makes, one after the other against the same server."""
+    named = ["stream", "unary"] if text == "both" else [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [call for call in named if call not in CALLS]
+    if unknown or not named or len(set(named)) < len(named):
+        raise argparse.ArgumentTypeError(f"{text!r}: each of {', '.join(CALLS)} at most once, comma-separated")
+    return named
+
+
 def agent_counts(text: str) -> list[int]:
     counts = [int(part) for part in text.split(",") if part.strip()]
     if any(count < 0 for count in counts):
@@ -620,7 +743,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--concurrency", type=int, default=200, help="heartbeats in flight at most")
     parser.add_argument("--channels", type=int, default=8, help="gRPC connections the agents share")
-    parser.add_argument("--call", choices=("stream", "unary", "both"), default="both", help="how the load sends")
+    parser.add_argument(
+        "--call",
+        type=calls,
+        default="both",
+        help=f"how the load sends, in turn, comma-separated: {', '.join(CALLS)}, or both (stream,unary)",
+    )
     parser.add_argument("--plaintext", action="store_true", help="serve without TLS")
     parser.add_argument(
         "--idle-agents",
@@ -630,6 +758,13 @@ def main() -> None:
     )
     parser.add_argument("--idle-channels", type=int, default=8, help="connections the shared idle streams share")
     parser.add_argument("--idle-only", action="store_true", help="measure the idle agents' memory only")
+    parser.add_argument(
+        "--floor-option",
+        type=core_option,
+        action="append",
+        default=[],
+        help="NAME=VALUE: also hold the idle agents on the floor with this gRPC core option added (repeatable)",
+    )
     parser.add_argument(
         "--processes", type=int, default=1, help="over 1: run shepherd heartbeat-server --processes N instead"
     )
