@@ -14,6 +14,7 @@ from foundation.settings_report import effective_settings
 from providers.registry import open_provider, open_providers, provider_types
 from providers.sim import SimProvider
 from providers.static import StaticProvider
+from shepherd.commands.dev_stack.stack_settings import providers_file
 
 
 def settings_file(tmp_path: Path, text: str) -> Path:
@@ -125,3 +126,13 @@ def test_a_plugin_that_cannot_be_loaded_fails_only_its_own_instances(tmp_path, m
     assert "instance 'rack9': provider type 'broken' (no_such_module_here:from_settings) cannot be loaded" in str(
         raised.value
     )
+
+
+def test_the_stack_file_of_provider_instances_keeps_their_rate_limits(tmp_path):
+    instances = (
+        ProviderInstance("rack1", "sim", {"api_url": "http://127.0.0.1:8800"}, activities_per_second=2.5),
+        ProviderInstance("rack2", "sim", {"api_url": "http://127.0.0.1:8801"}),
+    )
+    path = providers_file(Settings(providers=instances), tmp_path / "providers.toml")
+    settings, _ = Settings.resolve({}, config_path=path)
+    assert settings.check().provider_instances == instances

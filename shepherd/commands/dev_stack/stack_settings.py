@@ -148,6 +148,10 @@ def providers_file(settings: Settings, path: Path) -> Path:
     lines = []
     for instance in settings.providers:
         lines += ["[[providers]]", f"name = {json.dumps(instance.name)}", f"type = {json.dumps(instance.type)}"]
+        if instance.activities_per_second:
+            # The rate limit is the instance's, not an option of its type: without it the children would run the
+            # provider's queue unlimited.
+            lines.append(f"activities_per_second = {json.dumps(instance.activities_per_second)}")
         lines += [f"{key} = {json.dumps(value)}" for key, value in instance.options.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
