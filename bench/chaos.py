@@ -72,6 +72,7 @@ from temporalio.client import Client
 from agent.build import build_agent_executable
 from bmdb.local_postgres import LocalPostgres
 from foundation.procfs import process_environments, processes_mentioning
+from foundation.provider_instances import ProviderInstance
 from foundation.setting_values import ENV_PREFIX
 from foundation.settings import Settings
 from foundation.temporal_payloads import DATA_CONVERTER
@@ -80,7 +81,7 @@ from lifecycle.contracts import MachineStage, machine_workflow_id
 from operations.machine_reads import machine_stages
 from proto import AGENT_MAX_RETRY_INTERVAL
 from shepherd.commands.dev_stack.children import simulator_argv, temporal_dev_server_argv
-from shepherd.commands.dev_stack.stack_settings import settings_environment
+from shepherd.commands.dev_stack.stack_settings import providers_file, settings_environment
 
 PROVIDER = "sim"
 PROJECT = Path(__file__).resolve().parents[1]
@@ -307,9 +308,13 @@ def agent_processes(machines_dir: Path) -> Counter[str]:
 class Stack:
     """The stack's processes and PostgreSQL, started, faulted and stopped by the benchmark."""
 
-    def __init__(self, root: Path, options: Options, started: float) -> None:
+    def __init__(
+        self, root: Path, options: Options, started: float, providers: tuple[ProviderInstance, ...] = ()
+    ) -> None:
         self.root = root
         self.options = options
+        # [[providers]] of the stack (a rate limit, say); none: the one simulator instance the settings name.
+        self.providers = providers
         self.started = started
         self._ports: Ports | None = None
         self.postgres = LocalPostgres(root / "postgres")
@@ -357,10 +362,15 @@ class Stack:
         await self.start_postgres()
 
         settings = stack_settings(self.root, self.ports, self.database_url, self.options)
+        if self.providers:
+            settings = settings.replace(providers=self.providers).check()
         self._settings = settings
         assert settings.agent_executable_path is not None
         build_agent_executable(settings.agent_executable_path)
         env = {**clean_environment(), **settings_environment(settings), "PYTHONUNBUFFERED": "1"}
+        if self.providers:
+            # [[providers]] have no variable: every child reads them from one settings file.
+            env["SHEPHERD_CONFIG"] = str(providers_file(settings, self.root / "providers.toml"))
         migrated = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-m", "shepherd", "migrate"],
