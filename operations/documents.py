@@ -132,7 +132,7 @@ def release_lines(releases: Sequence[HoldRelease]) -> list[str]:
         elif hold.released_now:
             lines.append(
                 f"provider {hold.provider}: released the recoveries held since {clock(hold.held_since)} "
-                f"({hold.silent_count} machines silent): the next pass signals them"
+                f"({hold.silent_count} machines silent): {_released_pass(hold.pass_started)}"
             )
         else:
             lines.append(
@@ -140,6 +140,14 @@ def release_lines(releases: Sequence[HoldRelease]) -> list[str]:
                 f"{hold.release_reason}"
             )
     return lines
+
+
+def _released_pass(started: bool | None) -> str:
+    if started:
+        return "a pass started now signals them"
+    if started is False:
+        return "the fleet schedule is paused: the first pass after `shepherd fleet --resume` signals them"
+    return "the next pass signals them"
 
 
 def clock(at: datetime | None) -> str:

@@ -72,6 +72,9 @@ class HoldRelease:
     released_by: str | None = None
     released_at: datetime | None = None
     release_reason: str | None = None
+    # For a hold released now: whether its provider's pass was started at once (True), not, its schedule being
+    # paused (False), or could not be (None: no schedule yet, or Temporal did not answer).
+    pass_started: bool | None = None
 
 
 class FleetControl(Connections):
@@ -149,9 +152,22 @@ class FleetControl(Connections):
                     hold.released_by,
                     hold.released_at,
                     hold.release_reason,
+                    await self._pass_now(provider) if released else None,
                 )
             )
         return releases
+
+    async def _pass_now(self, provider: str) -> bool | None:
+        """Start the provider's pass now, so the recoveries just released need not wait up to a reconcile interval
+        for it (a rack's worth of machines is down meanwhile). Not while its schedule is paused: the pause is the
+        operator's to lift. What happened, as HoldRelease.pass_started says."""
+        try:
+            if (await self.schedule(provider)).paused:
+                return False
+            await (await self.temporal()).get_schedule_handle(fleet_schedule_id(provider)).trigger()
+        except (FleetError, RPCError):
+            return None
+        return True
 
     async def log_fleet_action(self, providers: Sequence[str], action: FleetAction) -> None:
         """Record a pause, resume or trigger of each provider's schedule as a fleet event naming who asked."""

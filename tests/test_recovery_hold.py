@@ -13,10 +13,12 @@ import pytest
 from bmdb.store import BMDB
 from foundation.setting_values import SettingsError
 from foundation.settings import Settings
-from lifecycle.contracts import MachineStage, RecoveryHoldRule
+from lifecycle.contracts import MachineStage, RecoveryHoldRule, fleet_schedule_id
 from lifecycle.inputs import recovery_hold_rule
 from lifecycle.watchdog import hold_reason, hold_threshold, spared_after_hold
 from operations.client import OperatorClient
+from operations.documents import release_lines
+from operations.fleet_control import HoldRelease
 from processes.worker import ensure_fleet_schedules
 from proto import AGENT_MAX_RETRY_INTERVAL
 from shepherd.commands.fleet import FleetAction, FleetPass, format_passes, held_lines, print_fleet
@@ -145,7 +147,8 @@ async def test_many_silent_machines_are_held_until_an_operator_releases_them(
     tmp_path, temporal_client, bmdb_url, bmdb, shepherd_cli
 ):
     # One machine silent is a machine's fault; two of three are more than the rule allows here.
-    settings = {**WATCH, "recovery_hold_min_machines": 1, "recovery_hold_fraction": 0.1}
+    # A pass an hour: the only scheduled pass after the release is the one the release starts.
+    settings = {**WATCH, "recovery_hold_min_machines": 1, "recovery_hold_fraction": 0.1, "reconcile_interval": 3600.0}
     async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=3, heartbeats=True, **settings) as stack:
         await stack.run_pass()
         everyone = ["node-0001", "node-0002", "node-0003"]
@@ -178,11 +181,20 @@ async def test_many_silent_machines_are_held_until_an_operator_releases_them(
         with pytest.raises(SystemExit) as usage:
             await shepherd_cli(environment, "fleet", "--release-recoveries")
         assert usage.value.code == 2
+        asked_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         code, out_text, err = await shepherd_cli(
             environment, "fleet", "--release-recoveries", "--reason", "two agents really died", "--by", "alice"
         )
         assert code == 0, err
         assert out_text.startswith("provider sim: released the recoveries held since"), out_text
+        assert out_text.splitlines()[0].endswith("(2 machines silent): a pass started now signals them"), out_text
+
+        async def scheduled_pass_started() -> bool:
+            # Temporal marks what a schedule started; the test's own passes are started by hand.
+            query = f'TemporalScheduledById = "{fleet_schedule_id("sim")}" AND StartTime > "{asked_at}"'
+            return [execution async for execution in stack.client.list_workflows(query, limit=1)] != []
+
+        await wait_for(scheduled_pass_started, limit=30, what="the pass the release started")
 
         released = await stack.run_pass()
         assert released.silent == ["node-0001", "node-0002"]
@@ -281,3 +293,19 @@ def test_shepherd_fleet_shows_a_released_hold_and_the_spared_machines():
     ]
     assert "  spared: 3 silent since before a hold ended, given time to come back" in format_passes(passes)
     assert held_lines([FleetPass(None, "completed", {"silent": []})]) == []
+
+
+def test_a_released_hold_says_when_its_pass_comes():
+    held = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+    lines = release_lines(
+        [
+            HoldRelease("rack1", held, 40, True, pass_started=True),
+            HoldRelease("rack2", held, 41, True, pass_started=False),
+            HoldRelease("rack3", held, 42, True),
+        ]
+    )
+    assert [line.split("silent): ")[1] for line in lines] == [
+        "a pass started now signals them",
+        "the fleet schedule is paused: the first pass after `shepherd fleet --resume` signals them",
+        "the next pass signals them",
+    ]
