@@ -59,11 +59,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import psycopg
@@ -1095,20 +1095,22 @@ async def run(stack: Stack, options: Options) -> Report:
     return await ChaosRun(stack, options).run()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    options, args = parse_options(argv)
-    root = Path(tempfile.mkdtemp(prefix="shepherd-chaos-")).resolve()
-    stack = Stack(root, options, time.monotonic())
-    keep = args.keep
+T = TypeVar("T")
+
+
+def run_on_stack(stack: Stack, work: Callable[[], Coroutine[Any, Any, T]], *, keep: bool = False) -> T:
+    """What a benchmark's run on the stack found; the stack stopped after it, and its directory removed unless keep
+    or the run broke (its logs and state are then kept, and said where). Raises SystemExit: 130 when interrupted,
+    1 when the run broke (what broke it is said)."""
     try:
-        report = asyncio.run(run(stack, options))
+        return asyncio.run(work())
     except (KeyboardInterrupt, asyncio.CancelledError):
         stack.say("interrupted")
-        return 130
+        raise SystemExit(130) from None
     except ChaosError as error:
         stack.say(f"the run broke: {error}")
         keep = True
-        return 1
+        raise SystemExit(1) from None
     except Exception:
         keep = True
         raise
@@ -1116,9 +1118,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.say("stopping the stack")
         stack.close()
         if keep:
-            stack.say(f"logs and state kept in {root}")
+            stack.say(f"logs and state kept in {stack.root}")
         else:
-            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(stack.root, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options, args = parse_options(argv)
+    stack = Stack(Path(tempfile.mkdtemp(prefix="shepherd-chaos-")).resolve(), options, time.monotonic())
+    report = run_on_stack(stack, lambda: run(stack, options), keep=args.keep)
     if args.json:
         print(json.dumps(report.document(), indent=2, default=str))
     else:

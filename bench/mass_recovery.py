@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ import asyncssh
 
 from agent.build import build_agent_executable
 from bench.bringup import raise_file_limit, raw_takeover
-from bench.chaos import PROVIDER, SIM_BOOT_SECONDS, WATCHING, ChaosError, Stack, positive
+from bench.chaos import PROVIDER, SIM_BOOT_SECONDS, WATCHING, ChaosError, Stack, positive, run_on_stack
 from bench.chaos import Options as StackOptions
 from foundation.provider_instances import ProviderInstance
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
@@ -534,26 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="shepherd-mass-recovery-")).resolve()
     instance = ProviderInstance(PROVIDER, "sim", activities_per_second=options.activities_per_second)
     stack = Stack(root, options.stack(), time.monotonic(), providers=(instance,))
-    keep = args.keep
-    try:
-        report = asyncio.run(MassRecovery(stack, options).run())
-    except KeyboardInterrupt:
-        stack.say("interrupted")
-        return 130
-    except ChaosError as error:
-        stack.say(f"the run broke: {error}")
-        keep = True
-        return 1
-    except Exception:
-        keep = True
-        raise
-    finally:
-        stack.say("stopping the stack")
-        stack.close()
-        if keep:
-            stack.say(f"logs and state kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    report = run_on_stack(stack, MassRecovery(stack, options).run, keep=args.keep)
     if args.json:
         document = {**asdict(report), "floor_seconds": report.floor_seconds, "ratio": report.ratio}
         print(json.dumps(document, indent=2, default=str))

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -53,7 +52,17 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from bench.billable_actions import billable_actions, frontend_requests, history_bytes, unrecorded_actions
-from bench.chaos import PROJECT, PROVIDER, ChaosError, ChaosRun, Options, Stack, clean_environment, positive
+from bench.chaos import (
+    PROJECT,
+    PROVIDER,
+    ChaosError,
+    ChaosRun,
+    Options,
+    Stack,
+    clean_environment,
+    positive,
+    run_on_stack,
+)
 from foundation.procfs import process_environments
 from foundation.settings import Settings
 from lifecycle.contracts import MachineStage, machine_workflow_id
@@ -598,28 +607,8 @@ async def run(bill_run: BillRun) -> Bill:
 def main(argv: Sequence[str] | None = None) -> int:
     options, args = parse_options(argv)
     assumptions = Assumptions(args.recoveries, args.maintenance_rounds, args.retention_days)
-    root = Path(tempfile.mkdtemp(prefix="shepherd-bill-")).resolve()
-    stack = Stack(root, options, time.monotonic())
-    keep = args.keep
-    try:
-        bill = asyncio.run(run(BillRun(stack, options, args.healthy, assumptions)))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        stack.say("interrupted")
-        return 130
-    except ChaosError as error:
-        stack.say(f"the run broke: {error}")
-        keep = True
-        return 1
-    except Exception:
-        keep = True
-        raise
-    finally:
-        stack.say("stopping the stack")
-        stack.close()
-        if keep:
-            stack.say(f"logs and state kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    stack = Stack(Path(tempfile.mkdtemp(prefix="shepherd-bill-")).resolve(), options, time.monotonic())
+    bill = run_on_stack(stack, lambda: run(BillRun(stack, options, args.healthy, assumptions)), keep=args.keep)
     if args.json:
         print(json.dumps(bill.document(), indent=2, default=str))
     else:
