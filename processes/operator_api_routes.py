@@ -5,6 +5,7 @@ so the document lists exactly what is served; read_body checks a request's body 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +255,10 @@ _PATH_PARAMETERS = {
 }
 
 
+# Fields whose values are checked beyond their type, by the check the command line uses for the same argument.
+_VALUE_CHECKS: dict[str, Callable[[str], str]] = {"reason": check_reason, "expect_fingerprint": check_fingerprint}
+
+
 def read_body(route: Route, data: bytes) -> dict[str, Any]:
     """The body of a request to route, checked field by field; BodyError naming the field."""
     try:
@@ -273,16 +278,12 @@ def read_body(route: Route, data: bytes) -> dict[str, Any]:
             continue
         if not isinstance(body[field.name], field.kind):
             raise BodyError(f"field {field.name!r} must be a {_TYPES[field.kind]}")
-        if field.name == "reason":
+        check = _VALUE_CHECKS.get(field.name)
+        if check is not None:
             try:
-                body["reason"] = check_reason(body["reason"])
+                body[field.name] = check(body[field.name])
             except ValueError as error:
-                raise BodyError(f"field 'reason': {error}") from None
-        if field.name == "expect_fingerprint":
-            try:
-                body["expect_fingerprint"] = check_fingerprint(body["expect_fingerprint"])
-            except ValueError as error:
-                raise BodyError(f"field 'expect_fingerprint': {error}") from None
+                raise BodyError(f"field {field.name!r}: {error}") from None
     if route.action == MAINTENANCE:
         if body["on"] and "reason" not in body:
             raise BodyError("field 'reason' is missing: on needs a reason")
