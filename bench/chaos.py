@@ -324,6 +324,8 @@ class Stack:
         self.logs = root / "logs"
         self._client: Client | None = None
         self._settings: Settings | None = None
+        # What the stack's processes are started with: its settings as SHEPHERD_* variables, and its providers file.
+        self._environment: dict[str, str] = {}
 
     @property
     def ports(self) -> Ports:
@@ -346,6 +348,23 @@ class Stack:
 
     def service(self, name: str) -> Service:
         return self.services[name]
+
+    async def shepherd(self, *args: str, within: float | None = 120.0) -> str:
+        """What a `shepherd` command against the stack printed, run as an operator runs it, killed after within
+        seconds; ChaosError when it fails."""
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "shepherd", *args],
+            env=self._environment,
+            cwd=PROJECT,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=within,
+        )
+        if done.returncode != 0:
+            raise ChaosError(f"shepherd {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout
 
     def say(self, message: str) -> None:
         """A progress line on standard error, with the seconds since the run began."""
@@ -371,17 +390,8 @@ class Stack:
         if self.providers:
             # [[providers]] have no variable: every child reads them from one settings file.
             env["SHEPHERD_CONFIG"] = str(providers_file(settings, self.root / "providers.toml"))
-        migrated = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "shepherd", "migrate"],
-            env=env,
-            cwd=PROJECT,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if migrated.returncode != 0:
-            raise ChaosError(f"shepherd migrate failed: {migrated.stderr.strip() or migrated.stdout.strip()}")
+        self._environment = env
+        await self.shepherd("migrate", within=None)
         await self.wait_ready(self.service("temporal"), self.connect_temporal, "the Temporal server")
 
         python_shepherd = [sys.executable, "-m", "shepherd"]
@@ -876,20 +886,7 @@ class ChaosRun:
         report, stack = self.report, self.stack
         self.say("measuring")
         # As an operator sees the fleet: a separate `shepherd machines --json`, BMDB joined with Temporal.
-        env = {**clean_environment(), **settings_environment(stack.settings)}
-        listed = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "shepherd", "machines", "--json"],
-            env=env,
-            cwd=PROJECT,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-        if listed.returncode != 0:
-            raise ChaosError(f"shepherd machines --json failed: {listed.stderr.strip()}")
-        fleet = json.loads(listed.stdout)
+        fleet = json.loads(await stack.shepherd("machines", "--json"))
         stages = Counter(str(machine["stage"] or "no workflow") for machine in fleet)
         report.stages_at_end = dict(sorted(stages.items()))
         report.watching_at_end = stages.get(WATCHING, 0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -367,23 +366,14 @@ class MassRecovery:
 
     async def release(self) -> datetime:
         """`shepherd fleet --release-recoveries`, as an operator runs it; when BMDB recorded the release."""
-        command = [sys.executable, "-m", "shepherd", "fleet", "--release-recoveries", "--provider", PROVIDER]
-        released = await asyncio.to_thread(
-            subprocess.run,
-            [*command, "--reason", RELEASE_REASON, "--by", "bench"],
-            env=self.stack.service("worker").env,
-            cwd=self.stack.root,
-            capture_output=True,
-            text=True,
-            check=False,
+        said = await self.stack.shepherd(
+            "fleet", "--release-recoveries", "--provider", PROVIDER, "--reason", RELEASE_REASON, "--by", "bench"
         )
-        if released.returncode != 0:
-            raise ChaosError(f"shepherd fleet --release-recoveries failed: {released.stderr or released.stdout}")
         rows = await self.stack.sql(
             "SELECT released_at FROM recovery_holds WHERE provider = %(provider)s", {"provider": PROVIDER}
         )
         if not rows or rows[0][0] is None:
-            raise ChaosError(f"the release was not recorded in BMDB: {released.stdout}")
+            raise ChaosError(f"the release was not recorded in BMDB: {said}")
         released_at: datetime = rows[0][0]
         self.say("recoveries released")
         return released_at

@@ -36,7 +36,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,13 +52,11 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from bench.billable_actions import billable_actions, frontend_requests, history_bytes, unrecorded_actions
 from bench.chaos import (
-    PROJECT,
     PROVIDER,
     ChaosError,
     ChaosRun,
     Options,
     Stack,
-    clean_environment,
     positive,
     run_on_stack,
 )
@@ -67,7 +64,6 @@ from foundation.procfs import process_environments
 from foundation.settings import Settings
 from lifecycle.contracts import MachineStage, machine_workflow_id
 from operations.machine_reads import machine_stages
-from shepherd.commands.dev_stack.stack_settings import settings_environment
 
 MACHINE_WORKFLOW, FLEET_WORKFLOW = "MachineWorkflow", "FleetWorkflow"
 DAY = 86400.0
@@ -386,30 +382,16 @@ class BillRun:
         self.bill.recovery_seconds = round(span.seconds, 1)
         return span
 
-    def shepherd(self, *args: str) -> None:
-        env = {**clean_environment(), **settings_environment(self.stack.settings)}
-        done = subprocess.run(
-            [sys.executable, "-m", "shepherd", *args],
-            env=env,
-            cwd=PROJECT,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise ChaosError(f"shepherd {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
-
     async def maintenance(self, provider_id: str) -> Span:
         workflow_id = machine_workflow_id(PROVIDER, provider_id)
         span = await self.begin("maintenance")
-        await asyncio.to_thread(self.shepherd, "maintenance", workflow_id, "--on", "--reason", "bench: a round")
+        await self.stack.shepherd("maintenance", workflow_id, "--on", "--reason", "bench: a round")
 
         async def in_stage(stage: MachineStage) -> bool:
             return await self.stage_of(workflow_id) == stage
 
         await self.until("maintenance --on", 120, lambda: in_stage(MachineStage.MAINTENANCE))
-        await asyncio.to_thread(self.shepherd, "maintenance", workflow_id, "--off", "--reason", "bench: done")
+        await self.stack.shepherd("maintenance", workflow_id, "--off", "--reason", "bench: done")
         await self.until("maintenance --off", 300, lambda: in_stage(MachineStage.WATCHING))
         return await self.end(span)
 
