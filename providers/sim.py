@@ -70,6 +70,25 @@ def parse_machine(data: Any, where: str, provider: str = PROVIDER_TYPE) -> Provi
     )
 
 
+def parse_last_reset(data: Any, where: str, provider: str = PROVIDER_TYPE) -> datetime | None:
+    """When the machine of one JSON machine object was last reset (its last_reset_at), None if never;
+    ProviderProtocolError naming the bad field."""
+    parse_machine(data, where, provider)
+    value = data.get("last_reset_at")
+    if value is None:
+        return None
+    try:
+        at = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        at = None
+    if at is None or at.tzinfo is None:
+        raise ProviderProtocolError(
+            provider,
+            f"{where}: field 'last_reset_at' must be an ISO 8601 time with its zone or null, got {str(value)[:80]!r}",
+        )
+    return at
+
+
 class SimProvider:
     """The Provider of the simulator, a client of its HTTP API at api_url."""
 
@@ -175,23 +194,7 @@ class SimProvider:
 
     async def last_reset(self, provider_id: str) -> datetime | None:
         """When the simulator last rebooted or reimaged the machine (its last_reset_at), None if never."""
-        where = f"get machine {provider_id}"
-        payload = await self._machine_payload(provider_id)
-        parse_machine(payload, where, self.name)
-        value = payload.get("last_reset_at")
-        if value is None:
-            return None
-        try:
-            at = datetime.fromisoformat(value) if isinstance(value, str) else None
-        except ValueError:
-            at = None
-        if at is None or at.tzinfo is None:
-            raise ProviderProtocolError(
-                self.name,
-                f"{where}: field 'last_reset_at' must be an ISO 8601 time with its zone or null, got "
-                f"{str(value)[:80]!r}",
-            )
-        return at
+        return parse_last_reset(await self._machine_payload(provider_id), f"get machine {provider_id}", self.name)
 
     async def reimage_machine(self, provider_id: str, ssh_public_key: str) -> Reimaged:
         """Reimage the machine with ssh_public_key for root; the simulator answers once its SSH is down for the boot.

@@ -26,8 +26,8 @@ from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.ssh_identity import public_key_openssh
 from lifecycle.contracts import FORCE_RECOVER_SIGNAL, MachineStage, RebootInput, RebootResult
-from providers import ProviderUnavailable
-from providers.sim import SimProvider
+from providers import ProviderProtocolError, ProviderUnavailable
+from providers.sim import SimProvider, parse_last_reset
 from simulator import Simulator, SimulatorConfig
 from tests.fleet_stack import fleet_stack, shepherd_environment
 from tests.test_fleet import sim_admin
@@ -169,3 +169,18 @@ async def test_a_worker_killed_with_the_reboot_done_and_unanswered_does_not_rebo
                     worker.send_signal(signal.SIGTERM)
                     worker.wait(30)
             log.close()
+
+
+MACHINE = {"id": NODE, "availability": "KnownUsed", "address": "127.0.0.1", "ssh_port": 2222, "status": "active"}
+
+
+def test_the_simulators_reset_time_is_read_or_refused_naming_the_field():
+    assert parse_last_reset({**MACHINE, "last_reset_at": None}, "get machine") is None
+    at = parse_last_reset({**MACHINE, "last_reset_at": "2026-11-28T10:00:00+00:00"}, "get machine")
+    assert at == datetime(2026, 11, 28, 10, tzinfo=UTC)
+    for bad in ("2026-11-28T10:00:00", "yesterday", 1764324000, ["2026-11-28T10:00:00+00:00"], "\x1b[31m" * 50):
+        with pytest.raises(ProviderProtocolError, match="field 'last_reset_at' must be an ISO 8601 time") as refused:
+            parse_last_reset({**MACHINE, "last_reset_at": bad}, "get machine")
+        assert len(str(refused.value)) < 300
+    with pytest.raises(ProviderProtocolError, match="field 'id'"):
+        parse_last_reset({**MACHINE, "id": 7, "last_reset_at": None}, "get machine")
