@@ -80,6 +80,12 @@ def provider_task_queue(task_queue: str, provider: str) -> str:
     return f"{task_queue}-provider-{provider}"
 
 
+def machine_task_queue(task_queue: str, provider: str) -> str:
+    """Where the activities that reach one provider instance's machines over SSH run (the takeover, the boot wait):
+    outside the provider's rate limit, which is for its API, so a rack's takeovers follow its reboots."""
+    return f"{task_queue}-machines-{provider}"
+
+
 def fleet_schedule_id(provider: str) -> str:
     """The fleet schedule of one provider instance; its passes run as workflows of the same id and a timestamp."""
     return f"shepherd-fleet-{provider}"
@@ -219,6 +225,7 @@ __all__ = [
     "fleet_schedule_id",
     "initial_search_attributes",
     "machine_search_attributes",
+    "machine_task_queue",
     "machine_workflow_id",
     "provider_task_queue",
     "running_machines_of",

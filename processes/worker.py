@@ -1,5 +1,5 @@
-"""The Shepherd worker: runs the workflows and the BMDB activities on the task queue, and each provider
-instance's activities on that instance's own queue.
+"""The Shepherd worker: runs the workflows and the BMDB activities on the task queue, each provider instance's
+API calls on that instance's own rate-limited queue, and the SSH work on its machines on its machine queue.
 
 Start more of them with the same settings to spread the load; Temporal hands
 each workflow and activity task to one of them.
@@ -70,6 +70,7 @@ from lifecycle.contracts import (
     SEARCH_ATTRIBUTES,
     MachineStage,
     fleet_schedule_id,
+    machine_task_queue,
     provider_task_queue,
 )
 from lifecycle.inputs import fleet_input
@@ -123,9 +124,22 @@ def provider_queue_worker(
     )
 
 
+def machine_queue_worker(
+    client: Client, settings: Settings, instance: ProviderInstance, activities: Sequence[Callable[..., Any]]
+) -> Worker:
+    """The worker of a provider instance's machine queue: the SSH work on its machines, paced by the worker's
+    activity slots and not by the provider's rate limit, so takeovers follow the reboots as machines come back."""
+    return Worker(
+        client,
+        task_queue=machine_task_queue(settings.task_queue, instance.name),
+        activities=activities,
+        **_worker_options(settings),
+    )
+
+
 def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
     """The workflows and the BMDB and Temporal activities on settings.task_queue, and for every provider instance
-    the activities that call it on that instance's queue."""
+    the activities that call it on that instance's queue and the SSH work on its machines on its machine queue."""
     settings = deps.settings
     fleet = FleetActivities(deps)
     provisioning = ProvisioningActivities(deps)
@@ -152,6 +166,7 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
             decommission.record_retired,
         ],
     )
+    on_the_machines: list[Callable[..., Any]] = [takeover.start_agent, recovery.wait_for_boot, takeover.stop_agent]
     provider_queues = [
         provider_queue_worker(
             client,
@@ -160,18 +175,20 @@ def build_workers(client: Client, deps: ActivityDeps) -> list[Worker]:
             [
                 fleet.plan_reconcile_pass,
                 provisioning.provision_machine,
-                takeover.start_agent,
                 recovery.reboot_through_provider,
                 recovery.reimage_through_provider,
-                recovery.wait_for_boot,
                 recovery.reboot_machine,
-                takeover.stop_agent,
                 decommission.retire_through_provider,
+                # Scheduled here by workflows from before the machine queues, still served.
+                *on_the_machines,
             ],
         )
         for instance in settings.provider_instances
     ]
-    return [main_queue, *provider_queues]
+    machine_queues = [
+        machine_queue_worker(client, settings, instance, on_the_machines) for instance in settings.provider_instances
+    ]
+    return [main_queue, *provider_queues, *machine_queues]
 
 
 @asynccontextmanager

@@ -50,6 +50,7 @@ EVERY_CHECK = [
     "search attributes",
     "workers",
     "workers sim",
+    "workers sim machines",
     "fleet sim",
     "temporal clock",
     "bmdb",
@@ -206,6 +207,9 @@ async def test_a_healthy_installation_passes_every_check(installation, shepherd_
     assert report.detail("workers sim").startswith(
         f"1 poller of activity tasks on task queue {queue}-provider-sim: {identity}; last poll "
     )
+    assert report.detail("workers sim machines").startswith(
+        f"1 poller of activity tasks on task queue {queue}-machines-sim: {identity}; last poll "
+    )
     assert report.detail("fleet sim").startswith("shepherd-fleet-sim: running, every 7d")
     assert report.detail("fleet sim").endswith("; no passes yet")
     assert report.detail("bmdb schema") == f"at the newest migration, {migrate.head_revision()}"
@@ -237,6 +241,7 @@ async def test_a_healthy_installation_passes_every_check(installation, shepherd_
     for name, task_queue, kind in (
         ("workers", queue, "workflow"),
         ("workers sim", f"{queue}-provider-sim", "activity"),
+        ("workers sim machines", f"{queue}-machines-sim", "activity"),
     ):
         assert (checks[name]["task_queue"], checks[name]["kind"]) == (task_queue, kind)
         assert checks[name]["pollers"] == [identity] and checks[name]["gone"] == []
@@ -279,7 +284,7 @@ async def test_a_namespace_without_the_search_attributes_fails_naming_them(
     bare = await register_bare_namespace(temporal_env.client)
     report = await doctor(shepherd_cli, {**installation.env, "SHEPHERD_TEMPORAL_NAMESPACE": bare})
     # A fresh namespace has no fleet schedule either, nor a worker polling in it.
-    assert_only_these_fail(report, {"search attributes", "workers", "workers sim", "fleet sim"})
+    assert_only_these_fail(report, {"search attributes", "workers", "workers sim", "workers sim machines", "fleet sim"})
     detail = report.detail("search attributes")
     assert detail.startswith(f"namespace '{bare}' lacks the search attributes MachineStage, Provider, ProviderId, ")
     assert f"temporal operator search-attribute create --namespace {bare} --name MachineId --type Keyword" in detail
@@ -297,11 +302,14 @@ async def test_a_missing_fleet_schedule_fails(installation, shepherd_cli, tempor
 async def test_no_worker_running_fails_naming_each_task_queue_nobody_polls(installation_without_worker, shepherd_cli):
     env = installation_without_worker.env
     report = await doctor(shepherd_cli, env)
-    assert_only_these_fail(report, {"workers", "workers sim"})
+    assert_only_these_fail(report, {"workers", "workers sim", "workers sim machines"})
     queue = env["SHEPHERD_TASK_QUEUE"]
     assert report.detail("workers") == f"no worker polls task queue {queue}: start `shepherd worker`"
     assert report.detail("workers sim") == f"no worker polls task queue {queue}-provider-sim: start `shepherd worker`"
-    assert report.summary == f"{len(EVERY_CHECK)} checks: {len(EVERY_CHECK) - 2} ok, 2 fail"
+    assert report.detail("workers sim machines") == (
+        f"no worker polls task queue {queue}-machines-sim: start `shepherd worker`"
+    )
+    assert report.summary == f"{len(EVERY_CHECK)} checks: {len(EVERY_CHECK) - 3} ok, 3 fail"
 
     code, out, _ = await shepherd_cli({}, "doctor", "--json")
     checks = {check["name"]: check for check in json.loads(out)["checks"]}
@@ -329,7 +337,15 @@ async def test_an_unreachable_temporal_fails_and_skips_what_needs_it(installatio
     assert_only_these_fail(
         report,
         {"temporal"},
-        {"temporal namespace", "search attributes", "workers", "workers sim", "fleet sim", "temporal clock"},
+        {
+            "temporal namespace",
+            "search attributes",
+            "workers",
+            "workers sim",
+            "workers sim machines",
+            "fleet sim",
+            "temporal clock",
+        },
     )
     assert report.detail("temporal") == (
         f"cannot reach Temporal at 127.0.0.1:{port} (Shepherd setting temporal_address), namespace "

@@ -54,6 +54,7 @@ from lifecycle.contracts import (
     SilenceCheckInput,
     StartAgentInput,
     StuckInput,
+    machine_task_queue,
     provider_task_queue,
 )
 from lifecycle.inputs import lifecycle_policy
@@ -103,13 +104,14 @@ class FakeMachineActivities:
         """The provider queue's."""
         return [
             self.provision_machine,
-            self.start_agent,
             self.reboot_through_provider,
             self.reimage_through_provider,
-            self.wait_for_boot,
-            self.stop_agent,
             self.retire_through_provider,
         ]
+
+    @property
+    def machine_queue_activities(self) -> list[Any]:
+        return [self.start_agent, self.wait_for_boot, self.stop_agent]
 
     @property
     def main_queue_activities(self) -> list[Any]:
@@ -288,12 +290,12 @@ FAST = replace(SEED_POLICY, provision_backoff=Backoff(1, 1, 1), agent_start_back
 
 @asynccontextmanager
 async def machine_worker(env, fakes: FakeMachineActivities, purpose: str) -> AsyncIterator[str]:
-    """Workers running MachineWorkflow on a queue of its own, the fakes on its provider's queue; yields the queue."""
+    """Workers running MachineWorkflow on a queue of its own, the fakes on its provider's queues; yields the queue."""
     queue = f"{purpose}-{uuid.uuid4()}"
-    activities = provider_task_queue(queue, "sim")
     async with (
         Worker(env.client, task_queue=queue, workflows=[MachineWorkflow], activities=fakes.main_queue_activities),
-        Worker(env.client, task_queue=activities, activities=fakes.activities),
+        Worker(env.client, task_queue=provider_task_queue(queue, "sim"), activities=fakes.activities),
+        Worker(env.client, task_queue=machine_task_queue(queue, "sim"), activities=fakes.machine_queue_activities),
     ):
         yield queue
 

@@ -1,7 +1,8 @@
 """The activities of a machine's workflow, each with its summary, timeout, retry policy and task queue.
 
-Provider calls and SSH run on the provider instance's own task queue, whose rate limit Temporal holds across all
-workers; BMDB writes on the worker's. An activity retries a blip (a dropped connection) a few times itself; a
+Provider calls run on the provider instance's own task queue, whose rate limit Temporal holds across all workers;
+the SSH work on its machines (the takeover, the boot wait) on the instance's machine queue, which that limit does
+not slow; BMDB writes on the worker's. An activity retries a blip (a dropped connection) a few times itself; a
 failure that says something about the machine goes back to the step that ran it, which waits the stage's back-off.
 """
 
@@ -35,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         SilenceCheck,
         SilenceCheckInput,
         StartAgentInput,
+        machine_task_queue,
         provider_task_queue,
     )
 
@@ -48,12 +50,23 @@ BOOT_WAIT_BOUND = timedelta(hours=4)
 
 
 def _at_the_provider(machine: MachineInput, seconds: float) -> dict[str, Any]:
-    """Options of an activity that calls the machine's provider or the machine itself: the provider instance's
-    task queue, blips retried, at most seconds an attempt."""
+    """Options of an activity that calls the machine's provider: the provider instance's rate-limited task queue."""
+    return _attempts_on(provider_task_queue(workflow.info().task_queue, machine.provider), seconds)
+
+
+def _on_the_machine(machine: MachineInput, seconds: float) -> dict[str, Any]:
+    """Options of an activity that works on the machine over SSH: the provider instance's machine queue, which the
+    API's rate limit does not slow (the activity's one read of the machine's address is not worth a dispatch of
+    that limit)."""
+    return _attempts_on(machine_task_queue(workflow.info().task_queue, machine.provider), seconds)
+
+
+def _attempts_on(task_queue: str, seconds: float) -> dict[str, Any]:
+    """Blips retried, at most seconds an attempt, on task_queue."""
     return {
         "start_to_close_timeout": timedelta(seconds=seconds),
         "retry_policy": BLIP_RETRY,
-        "task_queue": provider_task_queue(workflow.info().task_queue, machine.provider),
+        "task_queue": task_queue,
     }
 
 
@@ -83,7 +96,7 @@ async def start_agent(machine: MachineInput, replacing: str | None) -> AgentFact
             replaces=replacing,
         ),
         summary=f"start the agent on {machine.provider_id} over SSH",
-        **_at_the_provider(machine, machine.policy.agent_start_timeout),
+        **_on_the_machine(machine, machine.policy.agent_start_timeout),
     )
 
 
@@ -135,7 +148,7 @@ async def wait_for_boot(machine: MachineInput, went_down: bool) -> BootWaitResul
             deadline=deadline,
         ),
         summary=f"wait for {machine.provider_id} to answer SSH after the reboot",
-        **_at_the_provider(machine, deadline + 60 if deadline else BOOT_WAIT_BOUND.total_seconds()),
+        **_on_the_machine(machine, deadline + 60 if deadline else BOOT_WAIT_BOUND.total_seconds()),
         heartbeat_timeout=timedelta(minutes=2),
     )
 
@@ -180,7 +193,7 @@ async def stop_agent(machine: MachineInput, request: DecommissionInput) -> str:
         TakeoverActivities.stop_agent,
         request,
         summary=f"stop the agent on {machine.provider_id} over SSH",
-        **_at_the_provider(machine, machine.policy.agent_start_timeout),
+        **_on_the_machine(machine, machine.policy.agent_start_timeout),
     )
     return stopped
 

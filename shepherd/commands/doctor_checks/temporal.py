@@ -25,7 +25,7 @@ from foundation.startup import (
     search_attributes_missing,
 )
 from foundation.temporal_connection import TemporalConfigError, load_temporal_connection
-from lifecycle.contracts import SEARCH_ATTRIBUTES, provider_task_queue
+from lifecycle.contracts import SEARCH_ATTRIBUTES, machine_task_queue, provider_task_queue
 from operations.client import OperatorClient
 from operations.fleet_control import FleetError
 from shepherd.commands.doctor_checks.checkup import Checkup
@@ -78,12 +78,14 @@ async def task_queue_pollers(client: Client, task_queue: str, kind: str) -> list
 
 def worker_task_queues(settings: Settings) -> list[tuple[str, str, str]]:
     """(check, task queue, kind of task) of every queue Shepherd's workers poll, as build_workers lays them out: the
-    workflows on task_queue, and each provider instance's activities on a queue of its own."""
+    workflows on task_queue, and each provider instance's activities on a queue of its own and its SSH work on
+    another."""
     queue = settings.task_queue
-    return [("workers", queue, "workflow")] + [
-        (f"workers {instance.name}", provider_task_queue(queue, instance.name), "activity")
-        for instance in settings.provider_instances
-    ]
+    checks = [("workers", queue, "workflow")]
+    for instance in settings.provider_instances:
+        checks.append((f"workers {instance.name}", provider_task_queue(queue, instance.name), "activity"))
+        checks.append((f"workers {instance.name} machines", machine_task_queue(queue, instance.name), "activity"))
+    return checks
 
 
 def shown_identities(pollers: Sequence[Poller]) -> str:
