@@ -139,12 +139,23 @@ class FleetActivities:
 
     @activity.defn
     async def watch_silent_machines(self, input: WatchdogInput) -> WatchdogResult:
+        """The fleet pass's look for silent machines (see look); made whenever the last look was."""
+        async with self.deps.bmdb.watchdog_turn(input.provider, by=f"fleet pass {activity.info().workflow_id}"):
+            return await self.look(input)
+
+    async def look_if_due(self, input: WatchdogInput, *, unless_within: float, by: str) -> WatchdogResult | None:
+        """The worker's watchdog: the look of a fleet pass (see look), unless the provider's last look, by any
+        worker or pass, ended less than unless_within seconds ago; None then."""
+        async with self.deps.bmdb.watchdog_turn(input.provider, by=by, unless_within=unless_within) as due:
+            return await self.look(input) if due else None
+
+    async def look(self, input: WatchdogInput) -> WatchdogResult:
         """Signal every machine whose agent went silent, unless so many are silent that the fault is more likely ours.
 
         One BMDB query finds the silent; when the circuit breaker trips, none is signalled, the hold is recorded
         (a fleet event when it begins) and stays until the silence ends or an operator releases it. The machines
         that fell silent during a hold get a grace from its end to come back: their agents may still be waiting
-        out their retry back-off.
+        out their retry back-off. Call it in a turn of bmdb's watchdog_turn, so no two looks overlap.
         """
         bmdb = self.deps.bmdb
         as_of = datetime.fromisoformat(input.as_of)

@@ -211,6 +211,8 @@ def stack_settings(root: Path, ports: Ports, database_url: str, options: Options
         max_machines=options.machines,
         chunk_size=options.machines,
         reconcile_interval=options.reconcile_interval,
+        # The workers look for silent machines as often as a pass comes: the runs keep their timings.
+        watchdog_interval=options.reconcile_interval,
         device_creation_interval=0.2,
     ).check()
 

@@ -125,6 +125,15 @@ class WatchedMachines:
 
 
 @dataclass(frozen=True)
+class WatchdogLook:
+    """The watchdog's last look at a provider instance's machines: when it ended, and the process that made it."""
+
+    provider: str
+    looked_at: datetime
+    looked_by: str
+
+
+@dataclass(frozen=True)
 class HeldRecoveries:
     """A provider whose recoveries the watchdog holds, as BMDB records it, with the operator's release if any."""
 

@@ -126,6 +126,15 @@ reboot_asks = Table(
     Column("asked_at", DateTime(timezone=True), nullable=False),
 )
 
+# The watchdog's last look at each provider instance's machines, and who made it (bmdb.watchdog's turns).
+watchdog_looks = Table(
+    "watchdog_looks",
+    metadata,
+    Column("provider", Text, primary_key=True),
+    Column("looked_at", DateTime(timezone=True), nullable=False),
+    Column("looked_by", Text, nullable=False),
+)
+
 # The watchdog's circuit breaker: a provider's hold of recoveries (too many machines silent at once, or no
 # heartbeat from any machine), with the operator's release; ended_at is set when the silence ends, and the
 # machines silent since before then get a grace to come back.

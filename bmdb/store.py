@@ -41,6 +41,7 @@ from bmdb.records import (
     MachineRecord,
     ProvidedMachine,
     SilentMachine,
+    WatchdogLook,
     WatchedMachines,
 )
 from bmdb.watchdog import WatchdogQueries
@@ -60,6 +61,7 @@ __all__ = [
     "MachineRecord",
     "ProvidedMachine",
     "SilentMachine",
+    "WatchdogLook",
     "WatchedMachines",
     "sqlalchemy_url",
 ]

@@ -3,20 +3,62 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, insert, literal, or_, select
 from sqlalchemy.dialects.postgresql import UUID
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from bmdb.base import StoreBase
-from bmdb.records import SilentMachine, WatchedMachines
-from bmdb.schema import events, machine_agent_heartbeat, machine_agent_started, machine_provided, recovery_holds
+from bmdb.records import SilentMachine, WatchdogLook, WatchedMachines
+from bmdb.schema import (
+    events,
+    machine_agent_heartbeat,
+    machine_agent_started,
+    machine_provided,
+    recovery_holds,
+    watchdog_looks,
+)
 
 
 class WatchdogQueries(StoreBase):
-    """The watchdog's rule and its counts."""
+    """The watchdog's rule, its counts and its turns."""
+
+    @asynccontextmanager
+    async def watchdog_turn(self, provider: str, *, by: str, unless_within: float | None = None) -> AsyncIterator[bool]:
+        """Whether the caller looks for the provider's silent machines now: False when another look ended less than
+        unless_within seconds ago (by BMDB's clock); with None, it looks whatever the last look was.
+
+        Looks of one provider never overlap, whichever worker or fleet pass makes them: a look holds a transaction
+        lock of the provider's until it ends, and a look that ends without an error is recorded as the provider's
+        last, with by (the process that made it).
+        """
+        async with self.engine.connect() as conn, conn.begin():
+            await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"shepherd watchdog {provider}"))))
+            if unless_within is not None:
+                recent = select(watchdog_looks.c.provider).where(
+                    watchdog_looks.c.provider == provider,
+                    watchdog_looks.c.looked_at > func.clock_timestamp() - timedelta(seconds=unless_within),
+                )
+                if (await conn.execute(recent)).first() is not None:
+                    yield False
+                    return
+            yield True
+            looked = {"looked_at": func.clock_timestamp(), "looked_by": by}
+            await conn.execute(
+                pg_insert(watchdog_looks)
+                .values(provider=provider, **looked)
+                .on_conflict_do_update(index_elements=[watchdog_looks.c.provider], set_=looked)
+            )
+
+    async def watchdog_looks(self) -> list[WatchdogLook]:
+        """The last look of every provider the watchdog has looked at, by provider."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(watchdog_looks).order_by(watchdog_looks.c.provider))
+            return [WatchdogLook(r.provider, r.looked_at, r.looked_by) for r in rows]
 
     async def silent_machines(
         self,

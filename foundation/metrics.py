@@ -75,6 +75,7 @@ class WorkerMetrics:
     machines_silent: MetricGauge
     recoveries_held: MetricGauge
     machines_stuck: MetricGauge
+    watchdog_looks: MetricCounter
 
     @classmethod
     def on(cls, meter: MetricMeter) -> WorkerMetrics:
@@ -103,6 +104,12 @@ class WorkerMetrics:
             machines_stuck=meter.create_gauge(
                 "shepherd_machines_stuck",
                 "Machines whose provisioning or agent start outlasted its deadline, by provider instance",
+            ),
+            watchdog_looks=meter.create_counter(
+                "shepherd_watchdog_looks_total",
+                "This worker's turns to look for silent machines, by provider instance and outcome (looked, "
+                "another_looked: a look by another worker or a pass was recent, paused: the fleet schedule is, "
+                "failed)",
             ),
         )
 

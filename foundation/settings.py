@@ -190,7 +190,10 @@ class Settings:
     # Fleet reconciliation (the seed's Provisioner)
     max_machines: int = _setting(50, "Most machines brought under management; 0 for no limit")
     chunk_size: int = _setting(20, "Most machines created in one reconcile pass")
-    reconcile_interval: float = _duration(60.0, "Time between reconcile passes (the schedule)")
+    reconcile_interval: float = _duration(
+        900.0, "Time between reconcile passes (the schedule); a pass that admitted a whole chunk goes on at once"
+    )
+    watchdog_interval: float = _duration(60.0, "How often a worker looks for silent machines, in turn with the others")
     device_creation_interval: float = _duration(5.0, "Time between two machine creations")
 
     # Worker

@@ -7,7 +7,7 @@ so a run keeps the values it started with and the UI shows them.
 from __future__ import annotations
 
 from foundation.settings import Settings
-from lifecycle.contracts import Backoff, FleetInput, LifecyclePolicy, MachineInput, RecoveryHoldRule
+from lifecycle.contracts import Backoff, FleetInput, LifecyclePolicy, MachineInput, RecoveryHoldRule, WatchdogInput
 from proto import AGENT_MAX_RETRY_INTERVAL
 
 
@@ -56,6 +56,17 @@ def fleet_input(settings: Settings, provider: str) -> FleetInput:
         first_heartbeat_within=settings.first_heartbeat_timeout,
         heartbeat_within=settings.heartbeat_timeout,
         recovery_hold=recovery_hold_rule(settings),
+    )
+
+
+def watchdog_input(settings: Settings, provider: str, as_of: str) -> WatchdogInput:
+    """A worker's look for the provider instance's silent machines as of that time, by the rule a pass uses."""
+    return WatchdogInput(
+        provider=provider,
+        as_of=as_of,
+        first_heartbeat_within=settings.first_heartbeat_timeout,
+        heartbeat_within=settings.heartbeat_timeout,
+        hold_rule=recovery_hold_rule(settings),
     )
 
 

@@ -146,8 +146,8 @@ def _released_pass(started: bool | None) -> str:
     if started:
         return "a pass started now signals them"
     if started is False:
-        return "the fleet schedule is paused: the first pass after `shepherd fleet --resume` signals them"
-    return "the next pass signals them"
+        return "the fleet schedule is paused: the first look after `shepherd fleet --resume` signals them"
+    return "the workers' next look signals them"
 
 
 def clock(at: datetime | None) -> str:

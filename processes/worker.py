@@ -74,6 +74,7 @@ from lifecycle.contracts import (
     provider_task_queue,
 )
 from lifecycle.inputs import fleet_input
+from processes.watchdog import watch_fleet
 from workflows.fleet import FleetWorkflow
 from workflows.machine import MachineWorkflow
 
@@ -201,9 +202,13 @@ async def serving(client: Client, deps: ActivityDeps) -> AsyncIterator[list[Work
         yield workers
 
 
-async def ensure_fleet_schedules(client: Client, settings: Settings, *, trigger: bool = False) -> None:
+async def ensure_fleet_schedules(
+    client: Client, settings: Settings, *, trigger: bool = False, first_pass_now: bool = False
+) -> None:
     """Give every provider instance its fleet schedule, in line with settings: one provider's outage or refused
-    pass never holds up another's."""
+    pass never holds up another's. trigger starts a pass of each at once; first_pass_now, of each schedule created
+    now, unless it is created paused (a new installation brings its capacity under management at once, not a
+    reconcile interval later)."""
     legacy = client.get_schedule_handle(LEGACY_FLEET_SCHEDULE_ID)
     try:
         # An operator's pause of the one schedule of old holds for the schedules that replace it.
@@ -213,14 +218,22 @@ async def ensure_fleet_schedules(client: Client, settings: Settings, *, trigger:
             raise
         legacy_state = None
     for instance in settings.provider_instances:
-        await _ensure_fleet_schedule(client, settings, instance.name, trigger=trigger, initial_state=legacy_state)
+        await _ensure_fleet_schedule(
+            client, settings, instance.name, trigger=trigger, first_pass_now=first_pass_now, initial_state=legacy_state
+        )
     if legacy_state is not None:
         await legacy.delete()
         log.info("deleted the schedule %s: each provider instance has its own now", LEGACY_FLEET_SCHEDULE_ID)
 
 
 async def _ensure_fleet_schedule(
-    client: Client, settings: Settings, provider: str, *, trigger: bool, initial_state: ScheduleState | None
+    client: Client,
+    settings: Settings,
+    provider: str,
+    *,
+    trigger: bool,
+    first_pass_now: bool,
+    initial_state: ScheduleState | None,
 ) -> None:
     schedule_id = fleet_schedule_id(provider)
     schedule = Schedule(
@@ -237,8 +250,15 @@ async def _ensure_fleet_schedule(
     if initial_state is not None:
         schedule.state = initial_state
     try:
-        await client.create_schedule(schedule_id, schedule, trigger_immediately=trigger)
-        log.info("created schedule %s (every %ss)", schedule_id, settings.reconcile_interval)
+        # A trigger starts a pass even of a paused schedule.
+        first_pass = trigger or (first_pass_now and not (initial_state is not None and initial_state.paused))
+        await client.create_schedule(schedule_id, schedule, trigger_immediately=first_pass)
+        log.info(
+            "created schedule %s (every %ss)%s",
+            schedule_id,
+            settings.reconcile_interval,
+            ", its first pass started" if first_pass else "",
+        )
         return
     except ScheduleAlreadyRunningError:
         pass
@@ -359,7 +379,7 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await ensure_fleet_schedules(client, settings)
+        await ensure_fleet_schedules(client, settings, first_pass_now=True)
         log.info(
             "worker polling task queue %s at %s, namespace %s",
             settings.task_queue,
@@ -369,6 +389,7 @@ async def run_worker(settings: Settings, database_url: str, *, stop: asyncio.Eve
         if runtime is not None:
             log.info("serving /metrics on %s", settings.metrics_listen)
         async with serving(client, deps), asyncio.TaskGroup() as observers:
+            observers.create_task(watch_fleet(stop, FleetActivities(deps), settings, identity=client.identity))
             if runtime is not None:
                 observers.create_task(observe_fleet(client, deps, stop))
                 expiry = CertificateExpiry(meter_of(runtime))

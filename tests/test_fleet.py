@@ -10,6 +10,7 @@ import platform
 import signal
 import subprocess
 import sys
+import uuid
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -24,7 +25,14 @@ from activities.workflow_start import start_machine_workflow
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.temporal_payloads import DATA_CONVERTER
-from lifecycle.contracts import MACHINE_ID, MACHINE_STAGE, PROVIDER, PROVIDER_ID, MachineStage
+from lifecycle.contracts import (
+    MACHINE_ID,
+    MACHINE_STAGE,
+    PROVIDER,
+    PROVIDER_ID,
+    MachineStage,
+    fleet_schedule_id,
+)
 from lifecycle.inputs import fleet_input
 from operations.client import OperatorClient
 from proto import takeover_pb2
@@ -105,15 +113,29 @@ async def test_fleet_comes_up_and_a_second_pass_changes_nothing(tmp_path, tempor
         assert max(len(line) for line in lines) <= 80
 
 
-async def test_max_machines_and_chunk_size_bound_each_pass(tmp_path, temporal_client, bmdb_url, bmdb):
-    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=6, max_machines=3, chunk_size=2) as stack:
-        assert (await stack.run_pass()).admitted == nodes(2)
-        assert (await stack.run_pass()).admitted == ["node-0003"]
-        third = await stack.run_pass()
-        assert third.admitted == []
-        assert third.plan is not None and "limit of 3" in third.plan.note
-        await stack.wait_for_stage(nodes(3), MachineStage.WATCHING)
-        assert len(await bmdb.list_provided("sim")) == 3
+async def test_a_pass_admits_chunk_after_chunk_up_to_max_machines(tmp_path, temporal_client, bmdb_url, bmdb):
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=6, max_machines=5, chunk_size=2) as stack:
+        pass_id = f"{fleet_schedule_id('sim')}-{uuid.uuid4().hex[:8]}"
+        handle = await temporal_client.start_workflow(
+            FleetWorkflow.run, fleet_input(stack.settings, "sim"), id=pass_id, task_queue=stack.settings.task_queue
+        )
+        first = await handle.result()
+        # Two whole chunks, then the last one the limit leaves: one pass, not three reconcile intervals.
+        assert first.admitted == nodes(5)
+        assert first.plan is not None and first.plan.to_create == ["node-0005"]
+        plans = [
+            event.activity_task_scheduled_event_attributes.activity_type.name
+            async for event in handle.fetch_history_events()
+            if event.HasField("activity_task_scheduled_event_attributes")
+        ].count("plan_reconcile_pass")
+        assert plans == 3
+        second = await stack.run_pass()
+        assert second.admitted == []
+        assert second.plan is not None and "limit of 5" in second.plan.note
+        await stack.wait_for_stage(nodes(5), MachineStage.WATCHING)
+        assert len(await bmdb.list_provided("sim")) == 5
+        replayer = Replayer(workflows=[FleetWorkflow], data_converter=DATA_CONVERTER)
+        await replayer.replay_workflow(await handle.fetch_history())
 
 
 async def test_disagreement_stops_the_pass_and_names_the_machine(tmp_path, temporal_client, bmdb_url, bmdb):

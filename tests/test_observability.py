@@ -116,6 +116,9 @@ async def test_worker_heartbeat_server_and_simulator_serve_their_metrics(tmp_pat
             assert total(worker_series, "shepherd_reconcile_passes_total", outcome="completed") >= 1
             assert total(worker_series, "shepherd_machines_admitted_total") == 2
             assert total(worker_series, "shepherd_silent_machines_signalled_total") >= 1
+            # Its own watchdog took its turn at the start, beside the passes' looks.
+            assert total(worker_series, "shepherd_watchdog_looks_total", provider="sim") >= 1
+            assert total(worker_series, "shepherd_watchdog_looks_total", provider="sim", outcome="failed") == 0
             assert total(worker_series, "shepherd_recovery_reboots_total", cause="heartbeat_lost", outcome="ok") == 1
             assert total(worker_series, "shepherd_heartbeat_age_max_seconds") < 3
             silent_of_sim = frozenset({("shepherd_process", "worker"), ("provider", "sim"), *service()})

@@ -303,7 +303,7 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         code, out, err = await shepherd_cli(env, "fleet", "--passes", "2")
         assert code == 0, err
         lines = out.splitlines()
-        assert lines[0].startswith("schedule shepherd-fleet-sim: running, every 1m, next pass ")
+        assert lines[0].startswith("schedule shepherd-fleet-sim: running, every 15m, next pass ")
         assert lines[2].split()[2:] == ["refused", "3", "1", "0", "0", "0"]
         assert lines[3].startswith("  why: refused: provider and BMDB disagree on 1 machine(s): node-0002")
         assert lines[4].startswith("       ") and "BMDB has no record of it" in lines[4]
@@ -317,7 +317,7 @@ async def test_fleet_shows_passes_and_pauses_resumes_and_triggers_the_schedule(
         assert code == 0, err
         assert out.splitlines()[:2] == [
             "paused the fleet schedule shepherd-fleet-sim: no passes until `shepherd fleet --resume`",
-            "schedule shepherd-fleet-sim: PAUSED (rack maintenance; by alice (unverified)), every 1m",
+            "schedule shepherd-fleet-sim: PAUSED (rack maintenance; by alice (unverified)), every 15m",
         ]
         code, out, err = await shepherd_cli(env, "fleet", "--json", "--passes", "1")
         [facts] = json.loads(out)["providers"]

@@ -306,6 +306,6 @@ def test_a_released_hold_says_when_its_pass_comes():
     )
     assert [line.split("silent): ")[1] for line in lines] == [
         "a pass started now signals them",
-        "the fleet schedule is paused: the first pass after `shepherd fleet --resume` signals them",
-        "the next pass signals them",
+        "the fleet schedule is paused: the first look after `shepherd fleet --resume` signals them",
+        "the workers' next look signals them",
     ]

@@ -15,7 +15,8 @@ def test_defaults_are_the_seeds():
     assert settings.ssh_exec_timeout == 60.0
     assert settings.agent_target_path == "/root/agent"
     assert (settings.max_machines, settings.chunk_size) == (50, 20)
-    assert settings.reconcile_interval == 60.0 and settings.device_creation_interval == 5.0
+    assert settings.reconcile_interval == 900.0 and settings.device_creation_interval == 5.0
+    assert settings.watchdog_interval == 60.0
     backoff = lifecycle_policy(settings).agent_start_backoff
     assert (backoff.initial, backoff.maximum, backoff.multiplier) == (300.0, 14400.0, 1.2)
     assert [backoff.delay(n) for n in (1, 2, 3)] == pytest.approx([300.0, 360.0, 432.0])

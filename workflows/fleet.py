@@ -2,11 +2,14 @@
 
 A pass decides from provider and BMDB listings which free capacity to bring
 under management (refusing when the two disagree), admits those machines at
-the device-creation rate, makes sure every managed machine has its
-MachineWorkflow running, and tells the workflows of machines whose agent went
-silent (the watchdog: one BMDB query a pass, no per-machine polling), unless
-so many are silent at once that the fault is more likely ours: then it holds
-every recovery of the provider (lifecycle.watchdog).
+the device-creation rate a chunk at a time, chunk after chunk while a whole
+one was admitted, makes sure every managed machine has its MachineWorkflow
+running, and tells the workflows of machines whose agent went silent (the
+watchdog: one BMDB query a look, no per-machine polling), unless so many are
+silent at once that the fault is more likely ours: then it holds every
+recovery of the provider (lifecycle.watchdog). The workers look for silent
+machines more often between passes (processes.watchdog), at no cost to
+Temporal; the pass's look is the one that needs no worker loop to run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         FleetInput,
         FleetPassResult,
         ReconcilePassInput,
+        ReconcilePassPlan,
         WatchdogInput,
         provider_task_queue,
     )
@@ -34,6 +38,8 @@ with workflow.unsafe.imports_passed_through():
 _LISTING_TIMEOUT = timedelta(minutes=5)
 # Passes recorded before the watchdog's circuit breaker called signal_silent_machines.
 _CIRCUIT_BREAKER = "recovery-circuit-breaker"
+# Passes recorded before a pass went on after a whole chunk, chunk after chunk, ended after the first.
+_CHUNK_AFTER_CHUNK = "chunk-after-chunk"
 _RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30), maximum_attempts=5)
 
 
@@ -49,27 +55,29 @@ class FleetWorkflow:
         """Run one reconcile pass of the provider: plan, admit, ensure the workflows, find the silent; its result."""
         self._result = result = FleetPassResult(started_at=workflow.now().isoformat())
         try:
-            result.plan = plan = await workflow.execute_activity_method(
-                FleetActivities.plan_reconcile_pass,
-                ReconcilePassInput(
-                    provider=input.provider, max_machines=input.max_machines, chunk_size=input.chunk_size
-                ),
-                summary=f"list provider {input.provider} and BMDB, decide what to bring under management",
-                start_to_close_timeout=_LISTING_TIMEOUT,
-                retry_policy=_RETRY,
-                task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
-            )
-            for index, provider_id in enumerate(plan.to_create):
-                if index:
-                    await workflow.sleep(input.device_creation_interval)
-                await workflow.execute_activity_method(
-                    FleetActivities.admit_machine,
-                    AdmitInput(provider=input.provider, provider_id=provider_id),
-                    summary=f"admit {provider_id} to BMDB and start its workflow",
-                    start_to_close_timeout=timedelta(minutes=1),
-                    retry_policy=_RETRY,
-                )
-                result.admitted.append(provider_id)
+            result.plan = plan = await self._plan(input)
+            while True:
+                for index, provider_id in enumerate(plan.to_create):
+                    if index:
+                        await workflow.sleep(input.device_creation_interval)
+                    await workflow.execute_activity_method(
+                        FleetActivities.admit_machine,
+                        AdmitInput(provider=input.provider, provider_id=provider_id),
+                        summary=f"admit {provider_id} to BMDB and start its workflow",
+                        start_to_close_timeout=timedelta(minutes=1),
+                        retry_policy=_RETRY,
+                    )
+                    result.admitted.append(provider_id)
+                if (
+                    len(plan.to_create) < input.chunk_size
+                    or not self._time_for_another_chunk()
+                    or not workflow.patched(_CHUNK_AFTER_CHUNK)
+                ):
+                    break
+                # A whole chunk admitted: more free capacity may wait, and its next chunk goes now, not a reconcile
+                # interval later. Each chunk is planned afresh, so a disagreement found meanwhile still stops it.
+                await workflow.sleep(input.device_creation_interval)
+                result.plan = plan = await self._plan(input)
             # Machines already managed keep their workflows even in a refused pass.
             ensured = await workflow.execute_activity_method(
                 FleetActivities.ensure_machine_workflows,
@@ -120,6 +128,25 @@ class FleetWorkflow:
             )
         self._count_pass("completed")
         return result
+
+    def _time_for_another_chunk(self) -> bool:
+        """Whether the pass may admit another chunk: within half its execution timeout, so the rest of the pass
+        (the workflows, the look) still has time, and with a history Temporal does not ask to end."""
+        info = workflow.info()
+        if info.is_continue_as_new_suggested():
+            return False
+        timeout = info.execution_timeout
+        return timeout is None or workflow.now() - info.workflow_start_time < timeout / 2
+
+    async def _plan(self, input: FleetInput) -> ReconcilePassPlan:
+        return await workflow.execute_activity_method(
+            FleetActivities.plan_reconcile_pass,
+            ReconcilePassInput(provider=input.provider, max_machines=input.max_machines, chunk_size=input.chunk_size),
+            summary=f"list provider {input.provider} and BMDB, decide what to bring under management",
+            start_to_close_timeout=_LISTING_TIMEOUT,
+            retry_policy=_RETRY,
+            task_queue=provider_task_queue(workflow.info().task_queue, input.provider),
+        )
 
     def _count_pass(self, outcome: str) -> None:
         # The SDK's workflow meter records nothing while a history replays.

@@ -124,6 +124,7 @@ def dev_settings(base: Settings, state: Path, options: DevOptions) -> Settings:
         max_machines=machines,
         chunk_size=min(machines or 50, 50),
         reconcile_interval=10.0,
+        watchdog_interval=5.0,
         device_creation_interval=0.2,
         provision_backoff_initial=5.0,
         provision_backoff_maximum=60.0,
