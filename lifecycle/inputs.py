@@ -42,7 +42,12 @@ def lifecycle_policy(settings: Settings) -> LifecyclePolicy:
 def machine_input(settings: Settings, provider: str, provider_id: str, machine_id: str) -> MachineInput:
     """The first run's input of a machine's workflow."""
     return MachineInput(
-        provider=provider, provider_id=provider_id, machine_id=machine_id, policy=lifecycle_policy(settings)
+        provider=provider,
+        provider_id=provider_id,
+        machine_id=machine_id,
+        policy=lifecycle_policy(settings),
+        # Started with initial_search_attributes, which show its first stage.
+        search_attributes_carried=True,
     )
 
 

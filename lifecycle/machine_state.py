@@ -237,6 +237,11 @@ class MachineInput:
     # begins it at its first safe point.
     maintenance: Maintenance | None = None
     decommission: Decommission | None = None
+    # The run's search attributes already hold what it would upsert at its start, when they show its stage: a
+    # first run's are set as it is started, a continue-as-new carries the last ones of the run before. It then
+    # upserts nothing until its stage changes. False in inputs of Shepherds before, whose runs upserted at their
+    # start whatever they held, and replay so.
+    search_attributes_carried: bool = False
 
     @classmethod
     def upgrade_wire(cls, value: object) -> object:

@@ -8,6 +8,7 @@ because the point is the workflow's timing, not the I/O.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,6 +55,7 @@ from lifecycle.contracts import (
     SilenceCheckInput,
     StartAgentInput,
     StuckInput,
+    initial_search_attributes,
     machine_task_queue,
     provider_task_queue,
 )
@@ -1035,3 +1037,38 @@ async def test_a_step_that_keeps_failing_continues_as_new_and_keeps_its_count_de
         assert [cause for _, cause in fakes.reboots] == ["forced: asked early (by erin)"]
         assert [stuck for _, stuck, _ in fakes.stuck_records] == [True, False]
         await handle.terminate()
+
+
+async def upserted_stages(handle: Any) -> list[str]:
+    """The MachineStage values the run's history upserted, in order."""
+    stages = []
+    async for event in handle.fetch_history_events():
+        if event.HasField("upsert_workflow_search_attributes_event_attributes"):
+            fields = event.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+            stages.append(json.loads(fields[MACHINE_STAGE.name].data))
+    return stages
+
+
+async def test_a_run_upserts_its_stage_only_where_its_search_attributes_do_not_show_it(time_skipping_env):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "upserts") as queue:
+        machine_id = str(uuid.uuid4())
+        # As the fleet starts one: its search attributes show PROVISIONING from the start.
+        handle = await env.client.start_workflow(
+            MachineWorkflow.run,
+            MachineInput("sim", "node-0001", machine_id, FAST, search_attributes_carried=True),
+            id=f"machine-sim-{uuid.uuid4()}",
+            task_queue=queue,
+            search_attributes=initial_search_attributes("sim", "node-0001", machine_id),
+        )
+        await env.sleep(timedelta(seconds=1))
+        assert (await handle.query(MachineWorkflow.status)).stage is MachineStage.WATCHING
+        assert await upserted_stages(handle) == ["AGENT_STARTING", "WATCHING"]
+        await handle.terminate()
+
+        # A first run's input of before carries no such promise, and its run upserts at its start as it did.
+        older = await start_machine(env, queue, FAST)
+        await env.sleep(timedelta(seconds=1))
+        assert await upserted_stages(older) == ["PROVISIONING", "AGENT_STARTING", "WATCHING"]
+        await older.terminate()

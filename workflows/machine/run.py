@@ -23,6 +23,7 @@ from workflows.machine.details import current_details
 with workflow.unsafe.imports_passed_through():
     from activities.recovery import RecoveryActivities
     from lifecycle.contracts import (
+        MACHINE_STAGE,
         Backoff,
         Decommission,
         MachineInput,
@@ -253,6 +254,11 @@ class MachineRun:
             machine_search_attributes(status.provider, status.provider_id, status.machine_id, stage)
         )
         self._show_details()
+
+    @staticmethod
+    def _shows_stage(stage: MachineStage) -> bool:
+        """Whether the run's search attributes show the stage already (the UI's list filters on it)."""
+        return workflow.info().typed_search_attributes.get(MACHINE_STAGE) == stage.value
 
     def _show_details(self) -> None:
         """The Temporal UI's "current details" of this machine: who it is and how it is doing."""

@@ -80,7 +80,10 @@ class MachineWorkflow(MachineFlows, ActionLog):
         """The machine's stages up to its next recovery cycle, which continues as new; _DecommissionNow at a safe
         point once a decommission was asked for."""
         status = self._status
-        self._set_stage(status.stage)
+        if input.search_attributes_carried and self._shows_stage(status.stage):
+            self._show_details()
+        else:
+            self._set_stage(status.stage)
         try:
             await self._bring_up(input)
         except ContinueStep:
@@ -168,7 +171,14 @@ class MachineWorkflow(MachineFlows, ActionLog):
     @staticmethod
     def _next_run(input: MachineInput, handed: MachineStatus) -> MachineInput:
         """The next run's input: this machine and its policy, and the status handed on."""
-        return MachineInput(input.provider, input.provider_id, input.machine_id, input.policy, status=handed)
+        return MachineInput(
+            input.provider,
+            input.provider_id,
+            input.machine_id,
+            input.policy,
+            status=handed,
+            search_attributes_carried=True,
+        )
 
     @workflow.signal(dynamic=True)
     async def force_recover(self, name: str, arguments: Sequence[RawValue]) -> None:
