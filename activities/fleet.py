@@ -206,7 +206,12 @@ class FleetActivities:
                 )
                 return WatchdogResult([], len(silent), watched.count, hold, len(spared))
             log.warning("recoveries of provider %s held (%s) but released by %s", input.provider, why, held.released_by)
-        signalled = await self._signal_silent(input.provider, silent)
+        # A workflow told already is recovering (or coalesces the news into the recovery it runs): telling it at
+        # every look until the recovery forgets the agent cost a rack's recovery a signal a machine a look. Once a
+        # heartbeat timeout has passed, it is told again, in case its workflow lost the signal (reset, restarted).
+        again_before = as_of - timedelta(seconds=input.heartbeat_within)
+        untold = [m for m in silent if m.signalled_at is None or m.signalled_at < again_before]
+        signalled = await self._signal_silent(input.provider, untold)
         return WatchdogResult(signalled, len(silent), watched.count, hold, len(spared))
 
     @activity.defn
@@ -219,7 +224,7 @@ class FleetActivities:
         # and the log must tell the cause before its effect.
         await self.deps.bmdb.record_heartbeats_lost(silent)
 
-        async def signal(machine: SilentMachine) -> str | None:
+        async def signal(machine: SilentMachine) -> SilentMachine | None:
             handle = self.deps.client.get_workflow_handle(machine_workflow_id(provider, machine.provider_id))
             try:
                 lost = HeartbeatLost(machine.cause(), key_fingerprint(machine.agent_public_key))
@@ -228,9 +233,13 @@ class FleetActivities:
                 # No running workflow: the ensure step of the next pass starts one.
                 log.warning("cannot signal %s: %s", handle.id, error)
                 return None
-            return machine.provider_id
+            return machine
 
-        signalled = [p for p in await each_at_most(silent, TEMPORAL_CALLS_IN_FLIGHT, signal) if p is not None]
+        told = [m for m in await each_at_most(silent, TEMPORAL_CALLS_IN_FLIGHT, signal) if m is not None]
+        await self.deps.bmdb.record_silence_signalled(told)
+        signalled = [m.provider_id for m in told]
+        # Counted here, where the looks of the workers and of the passes both signal.
+        self.deps.metrics.silent_signalled.add(len(signalled), {"provider": provider})
         if signalled:
             log.info("agents silent on %d machine(s): %s", len(signalled), ", ".join(signalled[:20]))
         return signalled

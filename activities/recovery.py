@@ -286,6 +286,8 @@ class RecoveryActivities:
         else:
             return SilenceCheck(True, found.cause())
         detail = f"not recovered: {why}"
+        # Were the agent to fall silent again, the watchdog tells the workflow at once, not a heartbeat timeout on.
+        await bmdb.forget_silence_signalled(machine_id)
         await bmdb.add_event(machine_id, "heartbeat_lost_unconfirmed", detail)
         log.warning("%s machine %s: heartbeat_lost %s", input.provider, input.machine_id, detail)
         return SilenceCheck(False, detail)

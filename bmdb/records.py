@@ -98,6 +98,8 @@ class SilentMachine:
     agent_heartbeat_at: datetime | None
     # The silent agent's ed25519 public key: the signal names the agent it is about.
     agent_public_key: bytes = b""
+    # When the watchdog last signalled this agent's silence; None: not yet.
+    signalled_at: datetime | None = None
 
     @property
     def last_seen(self) -> datetime:

@@ -135,6 +135,16 @@ watchdog_looks = Table(
     Column("looked_by", Text, nullable=False),
 )
 
+# When the watchdog signalled a silent agent's machine: agent_started_at names the agent, so a new agent's silence
+# is signalled afresh.
+silence_signals = Table(
+    "silence_signals",
+    metadata,
+    Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"), primary_key=True),
+    Column("agent_started_at", DateTime(timezone=True), nullable=False),
+    Column("signalled_at", DateTime(timezone=True), nullable=False),
+)
+
 # The watchdog's circuit breaker: a provider's hold of recoveries (too many machines silent at once, or no
 # heartbeat from any machine), with the operator's release; ended_at is set when the silence ends, and the
 # machines silent since before then get a grace to come back.

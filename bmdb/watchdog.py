@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, insert, literal, or_, select
+from sqlalchemy import delete, func, insert, literal, or_, select
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -20,6 +20,7 @@ from bmdb.schema import (
     machine_agent_started,
     machine_provided,
     recovery_holds,
+    silence_signals,
     watchdog_looks,
 )
 
@@ -87,12 +88,19 @@ class WatchdogQueries(StoreBase):
                 machine_agent_started.c.agent_started_at,
                 machine_agent_started.c.agent_public_key,
                 machine_agent_heartbeat.c.agent_heartbeat_at,
+                silence_signals.c.signalled_at,
             )
             .select_from(
                 machine_provided.join(
                     machine_agent_started, machine_agent_started.c.machine_id == machine_provided.c.machine_id
-                ).outerjoin(
+                )
+                .outerjoin(
                     machine_agent_heartbeat, machine_agent_heartbeat.c.machine_id == machine_provided.c.machine_id
+                )
+                .outerjoin(
+                    silence_signals,
+                    (silence_signals.c.machine_id == machine_provided.c.machine_id)
+                    & (silence_signals.c.agent_started_at == machine_agent_started.c.agent_started_at),
                 )
             )
             .where(*_watched(provider), or_(never, stopped))
@@ -103,7 +111,12 @@ class WatchdogQueries(StoreBase):
         async with self.engine.connect() as conn:
             return [
                 SilentMachine(
-                    r.machine_id, r.provider_id, r.agent_started_at, r.agent_heartbeat_at, bytes(r.agent_public_key)
+                    r.machine_id,
+                    r.provider_id,
+                    r.agent_started_at,
+                    r.agent_heartbeat_at,
+                    bytes(r.agent_public_key),
+                    r.signalled_at,
                 )
                 for r in await conn.execute(query)
             ]
@@ -127,6 +140,26 @@ class WatchdogQueries(StoreBase):
             row = (await conn.execute(hold)).first()
             ended = None if row is None else row.ended_at
             return WatchedMachines(count, newest, row is not None and ended is None, ended)
+
+    async def record_silence_signalled(self, machines: Sequence[SilentMachine]) -> None:
+        """Note that the watchdog signalled these silent agents' machines now, in one statement."""
+        if not machines:
+            return
+        rows = [{"machine_id": m.machine_id, "agent_started_at": m.agent_started_at} for m in machines]
+        statement = pg_insert(silence_signals).values([{**row, "signalled_at": func.clock_timestamp()} for row in rows])
+        excluded = statement.excluded
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                statement.on_conflict_do_update(
+                    index_elements=[silence_signals.c.machine_id],
+                    set_={"agent_started_at": excluded.agent_started_at, "signalled_at": excluded.signalled_at},
+                )
+            )
+
+    async def forget_silence_signalled(self, machine_id: uuid.UUID) -> None:
+        """The machine's recovery did not go ahead (its silence was not confirmed): its next silence is news."""
+        async with self.engine.begin() as conn:
+            await conn.execute(delete(silence_signals).where(silence_signals.c.machine_id == machine_id))
 
     async def record_heartbeats_lost(self, machines: Sequence[SilentMachine]) -> int:
         """A ``heartbeat_lost`` event for each machine, once per agent: a machine the watchdog finds silent again

@@ -76,6 +76,7 @@ class WorkerMetrics:
     recoveries_held: MetricGauge
     machines_stuck: MetricGauge
     watchdog_looks: MetricCounter
+    silent_signalled: MetricCounter
 
     @classmethod
     def on(cls, meter: MetricMeter) -> WorkerMetrics:
@@ -110,6 +111,10 @@ class WorkerMetrics:
                 "This worker's turns to look for silent machines, by provider instance and outcome (looked, "
                 "another_looked: a look by another worker or a pass was recent, paused: the fleet schedule is, "
                 "failed)",
+            ),
+            silent_signalled=meter.create_counter(
+                "shepherd_silent_machines_signalled_total",
+                "heartbeat_lost signals sent by the watchdog's looks, a worker's or a pass's, by provider instance",
             ),
         )
 

@@ -25,6 +25,7 @@ from shepherd.commands.fleet import FleetAction, FleetPass, format_passes, held_
 from tests.fleet_stack import fleet_stack
 from tests.test_fleet import sim_admin
 from tests.test_recovery import wait_for
+from workflows.fleet import FleetWorkflow
 
 RULE = RecoveryHoldRule(min_machines=5, fraction=0.1, quiet_path_after=90.0, grace_after_hold=600.0)
 WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
@@ -189,16 +190,18 @@ async def test_many_silent_machines_are_held_until_an_operator_releases_them(
         assert out_text.startswith("provider sim: released the recoveries held since"), out_text
         assert out_text.splitlines()[0].endswith("(2 machines silent): a pass started now signals them"), out_text
 
-        async def scheduled_pass_started() -> bool:
+        async def scheduled_pass_started() -> Any:
             # Temporal marks what a schedule started; the test's own passes are started by hand.
             query = f'TemporalScheduledById = "{fleet_schedule_id("sim")}" AND StartTime > "{asked_at}"'
-            return [execution async for execution in stack.client.list_workflows(query, limit=1)] != []
+            return next(iter([execution async for execution in stack.client.list_workflows(query, limit=1)]), None)
 
-        await wait_for(scheduled_pass_started, limit=30, what="the pass the release started")
-
-        released = await stack.run_pass()
+        started = await wait_for(scheduled_pass_started, limit=30, what="the pass the release started")
+        # That pass signals them; a look after it finds them told already.
+        handle = stack.client.get_workflow_handle_for(FleetWorkflow.run, started.id, run_id=started.run_id)
+        released = await handle.result()
         assert released.silent == ["node-0001", "node-0002"]
         assert released.recoveries_held is not None and released.recoveries_held.released_by == "alice (unverified)"
+        assert (await stack.run_pass()).silent == []
 
         async def recovered() -> bool:
             statuses = [await stack.status(p) for p in ("node-0001", "node-0002")]

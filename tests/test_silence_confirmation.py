@@ -97,3 +97,29 @@ async def test_held_recoveries_hold_a_signalled_one_until_released_or_its_grace_
     await bmdb.end_recovery_hold("sim", "the silence is over")
     check = await confirm(recovery, machine_id, key_fingerprint(KEY))
     assert not check.confirmed and "its grace after the hold runs" in check.detail
+
+
+async def test_the_watchdog_notes_whom_it_told_per_agent_and_forgets_it_when_the_recovery_does_not_go_ahead(
+    bmdb, recovery
+):
+    machine_id = await silent_machine(bmdb)
+
+    async def signalled_at() -> datetime | None:
+        rule = {"first_heartbeat_within": 600.0, "heartbeat_within": 60.0}
+        [found] = await bmdb.silent_machines("sim", as_of=datetime.now(UTC), **rule)
+        return found.signalled_at
+
+    assert await signalled_at() is None
+    [found] = await bmdb.silent_machines(
+        "sim", as_of=datetime.now(UTC), first_heartbeat_within=600.0, heartbeat_within=60.0
+    )
+    await bmdb.record_silence_signalled([found])
+    told = await signalled_at()
+    assert told is not None and abs((datetime.now(UTC) - told).total_seconds()) < 60
+    # The news was about another agent than the one on record: no recovery, and the next look tells it afresh.
+    assert not (await confirm(recovery, machine_id, key_fingerprint(b"o" * 32))).confirmed
+    assert await signalled_at() is None
+    await bmdb.record_silence_signalled([found])
+    # A new agent's silence is news whatever was told of the one before.
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC) - timedelta(minutes=30), KEY)
+    assert await signalled_at() is None

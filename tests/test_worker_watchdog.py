@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from activities.fleet import FleetActivities
 from bmdb.store import BMDB
 from lifecycle.contracts import MachineStage, fleet_schedule_id
+from lifecycle.inputs import watchdog_input
 from processes.watchdog import watch_fleet
 from processes.worker import ensure_fleet_schedules
 from tests.fleet_stack import FleetStack, fleet_stack
@@ -145,3 +147,47 @@ async def test_a_look_that_fails_is_logged_and_made_again(tmp_path, temporal_cli
             "is unreachable: connection failed: "
         ), message
         assert message.endswith("; looking again in 0.2s") and "\n" not in message, message
+
+
+async def test_a_silent_machine_is_told_once_until_a_heartbeat_timeout_has_passed(
+    tmp_path, temporal_client, bmdb_url, bmdb
+):
+    # Long enough for the looks below to come within it of the first signal.
+    watch = {**WATCH, "heartbeat_timeout": 6.0}
+    async with fleet_stack(tmp_path, temporal_client, bmdb_url, machines=2, heartbeats=True, **watch) as stack:
+        await stack.run_pass()
+        await stack.wait_for_stage(["node-0001", "node-0002"], MachineStage.WATCHING)
+        # The reboot's answer comes late: the recovery keeps the silent agent on record while the looks go on.
+        await sim_admin(stack, "/admin/faults", {"reboot_answer_delay": 12.0})
+        assert (await sim_admin(stack, "/admin/machines/node-0001/kill-agent", {}))["killed"] >= 1
+        await asyncio.sleep(watch["heartbeat_timeout"] + 1)
+        fleet = FleetActivities(stack.deps)
+
+        async def look() -> list[str]:
+            return (await fleet.look(watchdog_input(stack.settings, "sim", datetime.now(UTC).isoformat()))).signalled
+
+        assert await look() == ["node-0001"]
+        told = datetime.now(UTC)
+
+        async def rebooting() -> bool:
+            return (await stack.status("node-0001")).stage is MachineStage.RECOVERING
+
+        await wait_for(rebooting, limit=30, what="the recovery the signal began")
+        assert await look() == [], "its workflow was told already and is recovering"
+        # A heartbeat timeout later it is told again, in case its workflow lost the news; it coalesces it.
+        await asyncio.sleep(
+            (told + timedelta(seconds=watch["heartbeat_timeout"] + 0.5) - datetime.now(UTC)).total_seconds()
+        )
+        assert await look() == ["node-0001"]
+        await sim_admin(stack, "/admin/faults", {"reboot_answer_delay": 0.0})
+
+        async def recovered() -> bool:
+            status = await stack.status("node-0001")
+            return status.recovery_count == 1 and status.stage is MachineStage.WATCHING
+
+        await wait_for(recovered, limit=60, what="the one recovery")
+        assert (await stack.status("node-0002")).recovery_count == 0
+        kinds = [
+            e.kind for e in await bmdb.list_events((await bmdb.machines_with_provider_id("node-0001"))[0].machine_id)
+        ]
+        assert kinds.count("heartbeat_lost") == 1 and kinds.count("rebooted") == 1

@@ -158,9 +158,6 @@ class FleetWorkflow:
             meter.create_counter("shepherd_machines_admitted_total", "Machines brought under management").add(
                 len(self._result.admitted)
             )
-            meter.create_counter(
-                "shepherd_silent_machines_signalled_total", "heartbeat_lost signals sent by the watchdog"
-            ).add(len(self._result.silent))
 
     @workflow.query
     def status(self) -> FleetPassResult | None:
