@@ -311,12 +311,19 @@ class Stack:
     """The stack's processes and PostgreSQL, started, faulted and stopped by the benchmark."""
 
     def __init__(
-        self, root: Path, options: Options, started: float, providers: tuple[ProviderInstance, ...] = ()
+        self,
+        root: Path,
+        options: Options,
+        started: float,
+        providers: tuple[ProviderInstance, ...] = (),
+        temporal_arguments: Sequence[str] = (),
     ) -> None:
         self.root = root
         self.options = options
         # [[providers]] of the stack (a rate limit, say); none: the one simulator instance the settings name.
         self.providers = providers
+        # More arguments of the Temporal dev server (its dynamic config, say).
+        self.temporal_arguments = tuple(temporal_arguments)
         self.started = started
         self._ports: Ports | None = None
         self.postgres = LocalPostgres(root / "postgres")
@@ -427,6 +434,7 @@ class Stack:
             "--metrics-port",
             str(self.ports.temporal_metrics),
             "--headless",
+            *self.temporal_arguments,
         )
 
     async def start_postgres(self) -> None:

@@ -29,7 +29,13 @@ since the kill), reimaged or quarantined (BMDB events), and where Shepherd's tim
 reboot, the last agent start). Run (10 to 13 minutes for 200 machines on two
 cores):
 
-    python -m bench.mass_recovery [--machines 200] [--rate 3] [--activities-per-second R] [--json] [--keep]
+    python -m bench.mass_recovery [--machines 200] [--rate 3] [--activities-per-second R]
+        [--dynamic-config KEY=VALUE ...] [--json] [--keep]
+
+--dynamic-config starts the Temporal dev server with that dynamic config; with
+matching.numTaskqueueReadPartitions=1 and matching.numTaskqueueWritePartitions=1
+the provider's queue dispatches at its rate limit rather than below it, as
+docs/providers.md advises where a provider's rate must be met closely.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import aiohttp
 import asyncssh
 
 from agent.build import build_agent_executable
-from bench.bringup import raise_file_limit, raw_takeover
+from bench.bringup import add_dynamic_config_option, dev_server_arguments, raise_file_limit, raw_takeover
 from bench.chaos import PROVIDER, SIM_BOOT_SECONDS, WATCHING, ChaosError, Stack, positive, run_on_stack
 from bench.chaos import Options as StackOptions
 from foundation.provider_instances import ProviderInstance
@@ -82,6 +88,8 @@ class Options:
     heartbeat_timeout: float
     reconcile_interval: float
     limit: float
+    # Dynamic config values of the Temporal dev server, KEY=VALUE.
+    dynamic_config: tuple[str, ...] = ()
 
     def stack(self) -> StackOptions:
         """bench.chaos's options for the same fleet and timings, without its faults."""
@@ -153,6 +161,7 @@ class Report:
     boot_seconds: float
     heartbeat_timeout: float
     reconcile_interval: float
+    dynamic_config: list[str] = field(default_factory=list)
     bringup_seconds: float = 0.0
     # BMDB's `rebooted` events before the agents were killed: none on a host that keeps up.
     rebooted_before_storm: int = 0
@@ -256,6 +265,7 @@ class MassRecovery:
             boot_seconds=SIM_BOOT_SECONDS,
             heartbeat_timeout=options.heartbeat_timeout,
             reconcile_interval=options.reconcile_interval,
+            dynamic_config=list(options.dynamic_config),
         )
 
     async def run(self) -> Report:
@@ -478,7 +488,8 @@ def table(report: Report) -> list[str]:
         f"mass recovery: {report.machines} machines, reboots at {report.rate:g}/s (provider queue limited to"
         f" {report.activities_per_second:g} activities/s), {report.concurrency} takeovers at once, boot"
         f" {report.boot_seconds:g}s, heartbeat timeout {report.heartbeat_timeout:g}s, a pass every"
-        f" {report.reconcile_interval:g}s"
+        f" {report.reconcile_interval:g}s; Temporal's dynamic config:"
+        f" {', '.join(report.dynamic_config) or 'its defaults'}"
     )
     return [head, "", *(f"{name:<{width}}  {value}" for name, value in rows)]
 
@@ -503,6 +514,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[Options, argparse.
     parser.add_argument(
         "--limit", type=positive(float), default=900.0, help="give up a step after this many seconds (%(default)s)"
     )
+    add_dynamic_config_option(parser)
     parser.add_argument("--json", action="store_true", help="print the report as a JSON document")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, state) and say where")
     args = parser.parse_args(argv)
@@ -513,6 +525,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[Options, argparse.
         heartbeat_timeout=args.heartbeat_timeout,
         reconcile_interval=args.reconcile_interval,
         limit=args.limit,
+        dynamic_config=tuple(args.dynamic_config),
     )
     return options, args
 
@@ -522,7 +535,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_file_limit()
     root = Path(tempfile.mkdtemp(prefix="shepherd-mass-recovery-")).resolve()
     instance = ProviderInstance(PROVIDER, "sim", activities_per_second=options.activities_per_second)
-    stack = Stack(root, options.stack(), time.monotonic(), providers=(instance,))
+    stack = Stack(
+        root,
+        options.stack(),
+        time.monotonic(),
+        providers=(instance,),
+        temporal_arguments=dev_server_arguments(options.dynamic_config),
+    )
     report = run_on_stack(stack, MassRecovery(stack, options).run, keep=args.keep)
     if args.json:
         document = {**asdict(report), "floor_seconds": report.floor_seconds, "ratio": report.ratio}
