@@ -5,10 +5,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, insert, literal, or_, select
+from sqlalchemy import delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -24,6 +24,9 @@ from bmdb.schema import (
     watchdog_looks,
 )
 
+# The look time of a provider's row before its first look ends.
+_NEVER = datetime(1970, 1, 1, tzinfo=UTC)
+
 
 class WatchdogQueries(StoreBase):
     """The watchdog's rule, its counts and its turns."""
@@ -33,32 +36,41 @@ class WatchdogQueries(StoreBase):
         """Whether the caller looks for the provider's silent machines now: False when another look ended less than
         unless_within seconds ago (by BMDB's clock); with None, it looks whatever the last look was.
 
-        Looks of one provider never overlap, whichever worker or fleet pass makes them: a look holds a transaction
-        lock of the provider's until it ends, and a look that ends without an error is recorded as the provider's
-        last, with by (the process that made it).
+        Looks of one provider never overlap, whichever worker or fleet pass makes them: a look holds the lock of the
+        provider's row until it ends (a row lock, not an advisory one, so the schema keeps to what CockroachDB's
+        dialect has), and a look that ends without an error is recorded as the provider's last, with by (the
+        process that made it).
         """
         async with self.engine.connect() as conn, conn.begin():
-            await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"shepherd watchdog {provider}"))))
-            if unless_within is not None:
-                recent = select(watchdog_looks.c.provider).where(
-                    watchdog_looks.c.provider == provider,
-                    watchdog_looks.c.looked_at > func.clock_timestamp() - timedelta(seconds=unless_within),
-                )
-                if (await conn.execute(recent)).first() is not None:
-                    yield False
-                    return
-            yield True
-            looked = {"looked_at": func.clock_timestamp(), "looked_by": by}
+            # A provider's first look makes its row, with a time that counts as long ago.
             await conn.execute(
                 pg_insert(watchdog_looks)
-                .values(provider=provider, **looked)
-                .on_conflict_do_update(index_elements=[watchdog_looks.c.provider], set_=looked)
+                .values(provider=provider, looked_at=_NEVER, looked_by="")
+                .on_conflict_do_nothing(index_elements=[watchdog_looks.c.provider])
+            )
+            last = (
+                await conn.execute(
+                    select(watchdog_looks.c.looked_at, func.clock_timestamp().label("now"))
+                    .where(watchdog_looks.c.provider == provider)
+                    .with_for_update()
+                )
+            ).one()
+            if unless_within is not None and last.looked_at > last.now - timedelta(seconds=unless_within):
+                yield False
+                return
+            yield True
+            await conn.execute(
+                update(watchdog_looks)
+                .where(watchdog_looks.c.provider == provider)
+                .values(looked_at=func.clock_timestamp(), looked_by=by)
             )
 
     async def watchdog_looks(self) -> list[WatchdogLook]:
         """The last look of every provider the watchdog has looked at, by provider."""
         async with self.engine.connect() as conn:
-            rows = await conn.execute(select(watchdog_looks).order_by(watchdog_looks.c.provider))
+            rows = await conn.execute(
+                select(watchdog_looks).where(watchdog_looks.c.looked_by != "").order_by(watchdog_looks.c.provider)
+            )
             return [WatchdogLook(r.provider, r.looked_at, r.looked_by) for r in rows]
 
     async def silent_machines(
