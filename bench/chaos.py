@@ -62,6 +62,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -317,6 +318,7 @@ class Stack:
         started: float,
         providers: tuple[ProviderInstance, ...] = (),
         temporal_arguments: Sequence[str] = (),
+        workers: int = 1,
     ) -> None:
         self.root = root
         self.options = options
@@ -324,6 +326,8 @@ class Stack:
         self.providers = providers
         # More arguments of the Temporal dev server (its dynamic config, say).
         self.temporal_arguments = tuple(temporal_arguments)
+        # Worker processes on the same task queues: "worker", then "worker-2" and on.
+        self.worker_names = ["worker", *(f"worker-{n}" for n in range(2, workers + 1))]
         self.started = started
         self._ports: Ports | None = None
         self.postgres = LocalPostgres(root / "postgres")
@@ -414,15 +418,16 @@ class Stack:
         for name, argv in (
             ("simulator", sim_argv),
             ("heartbeat-server", [*python_shepherd, "heartbeat-server"]),
-            ("worker", [*python_shepherd, "worker"]),
+            *((name, [*python_shepherd, "worker"]) for name in self.worker_names),
         ):
             self.services[name] = Service(name, argv, self.logs / f"{name}.log", env)
         self.say(f"starting the simulator with {self.options.machines} machines on 127.0.0.1:{self.ports.sim_api}")
         await self.start_service("simulator")
         self.say(f"starting the heartbeat server on {settings.heartbeat_listen}")
         await self.start_service("heartbeat-server")
-        self.say("starting the worker")
-        await self.start_service("worker")
+        for name in self.worker_names:
+            self.say(f"starting the {name}")
+            await self.start_service(name)
 
     def temporal_argv(self) -> list[str]:
         # The state file keeps workflows, schedules and search attributes across the restart.
@@ -450,7 +455,7 @@ class Stack:
             "temporal": self.connect_temporal,
             "simulator": self.simulator_serves,
             "heartbeat-server": self.heartbeat_server_listens,
-            "worker": self.worker_polls,
+            **{worker: partial(self.worker_polls, worker) for worker in self.worker_names},
         }
         service = self.service(name)
         service.start()
@@ -486,9 +491,9 @@ class Stack:
         writer.close()
         await writer.wait_closed()
 
-    async def worker_polls(self) -> None:
-        if WORKER_READY not in self.service("worker").log_since_start():
-            raise ChaosError("the worker does not poll yet")
+    async def worker_polls(self, name: str = "worker") -> None:
+        if WORKER_READY not in self.service(name).log_since_start():
+            raise ChaosError(f"the {name} does not poll yet")
 
     async def kill_worker(self) -> None:
         worker = self.service("worker")
@@ -514,7 +519,7 @@ class Stack:
                 continue
             service.unplanned_exits += 1
             self.say(f"{service.name} exited on its own with status {code}; its log ends:\n{service.log_tail()}")
-            if service.name not in ("worker", "heartbeat-server"):
+            if service.name not in (*self.worker_names, "heartbeat-server"):
                 raise ChaosError(f"{service.name} exited with status {code}")
             if service.unplanned_exits > UNPLANNED_EXITS_LIMIT:
                 raise ChaosError(f"{service.name} exited on its own {service.unplanned_exits} times")
@@ -528,7 +533,7 @@ class Stack:
 
     def close(self) -> None:
         """Stop everything this run started, in order; never raises, and may be called again."""
-        for name in ("worker", "heartbeat-server", "simulator", "temporal"):
+        for name in (*self.worker_names, "heartbeat-server", "simulator", "temporal"):
             service = self.services.get(name)
             if service is None:
                 continue

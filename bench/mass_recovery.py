@@ -29,8 +29,11 @@ since the kill), reimaged or quarantined (BMDB events), and where Shepherd's tim
 reboot, the last agent start). Run (10 to 13 minutes for 200 machines on two
 cores):
 
-    python -m bench.mass_recovery [--machines 200] [--rate 3] [--activities-per-second R]
+    python -m bench.mass_recovery [--machines 200] [--rate 3] [--activities-per-second R] [--workers N]
         [--dynamic-config KEY=VALUE ...] [--json] [--keep]
+
+--workers runs that many worker processes on the same task queues, as an
+operator adds workers where one process's CPU is the limit.
 
 --dynamic-config starts the Temporal dev server with that dynamic config; with
 matching.numTaskqueueReadPartitions=1 and matching.numTaskqueueWritePartitions=1
@@ -90,6 +93,7 @@ class Options:
     limit: float
     # Dynamic config values of the Temporal dev server, KEY=VALUE.
     dynamic_config: tuple[str, ...] = ()
+    workers: int = 1
 
     def stack(self) -> StackOptions:
         """bench.chaos's options for the same fleet and timings, without its faults."""
@@ -162,6 +166,7 @@ class Report:
     heartbeat_timeout: float
     reconcile_interval: float
     dynamic_config: list[str] = field(default_factory=list)
+    workers: int = 1
     bringup_seconds: float = 0.0
     # BMDB's `rebooted` events before the agents were killed: none on a host that keeps up.
     rebooted_before_storm: int = 0
@@ -266,6 +271,7 @@ class MassRecovery:
             heartbeat_timeout=options.heartbeat_timeout,
             reconcile_interval=options.reconcile_interval,
             dynamic_config=list(options.dynamic_config),
+            workers=options.workers,
         )
 
     async def run(self) -> Report:
@@ -485,7 +491,8 @@ def table(report: Report) -> list[str]:
     ]
     width = max(len(name) for name, _ in rows)
     head = (
-        f"mass recovery: {report.machines} machines, reboots at {report.rate:g}/s (provider queue limited to"
+        f"mass recovery: {report.machines} machines, {report.workers} worker process(es), reboots at {report.rate:g}/s"
+        " (provider queue limited to"
         f" {report.activities_per_second:g} activities/s), {report.concurrency} takeovers at once, boot"
         f" {report.boot_seconds:g}s, heartbeat timeout {report.heartbeat_timeout:g}s, a pass every"
         f" {report.reconcile_interval:g}s; Temporal's dynamic config:"
@@ -514,6 +521,9 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[Options, argparse.
     parser.add_argument(
         "--limit", type=positive(float), default=900.0, help="give up a step after this many seconds (%(default)s)"
     )
+    parser.add_argument(
+        "--workers", type=positive(int), default=1, help="worker processes of the stack (default %(default)s)"
+    )
     add_dynamic_config_option(parser)
     parser.add_argument("--json", action="store_true", help="print the report as a JSON document")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs, state) and say where")
@@ -526,6 +536,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[Options, argparse.
         reconcile_interval=args.reconcile_interval,
         limit=args.limit,
         dynamic_config=tuple(args.dynamic_config),
+        workers=args.workers,
     )
     return options, args
 
@@ -541,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.monotonic(),
         providers=(instance,),
         temporal_arguments=dev_server_arguments(options.dynamic_config),
+        workers=options.workers,
     )
     report = run_on_stack(stack, MassRecovery(stack, options).run, keep=args.keep)
     if args.json:
