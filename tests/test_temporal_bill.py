@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from temporalio.api.common.v1 import Payload, SearchAttributes
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
@@ -27,6 +28,7 @@ from bench.billable_actions import (
     history_bytes,
     unrecorded_actions,
 )
+from bench.temporal_bill import Assumptions, Bill
 
 HISTORIES = Path(__file__).parent / "histories"
 E = EventType
@@ -145,3 +147,27 @@ def test_unrecorded_actions_come_from_the_frontends_request_counters() -> None:
     before, after = frontend_requests(metrics(2, 10, 1)), frontend_requests(metrics(5, 14, 3))
     assert before["QueryWorkflow"] == 2
     assert unrecorded_actions(before, after) == Counter({"queries": 3, "recorded heartbeats": 4, "update requests": 2})
+
+
+def test_the_day_is_projected_at_the_default_pass_interval_not_the_measured_one() -> None:
+    # Measured with a pass a minute over five minutes; an installation passes every 15 minutes.
+    bill = Bill(
+        machines=50,
+        reconcile_interval=900.0,
+        pass_interval=60.0,
+        healthy_seconds=300.0,
+        assumptions=Assumptions(recoveries=0.0, maintenance_rounds=0.0, retention_days=30.0),
+        healthy_machine_actions={SIGNAL: 50},
+        passes_in_healthy=5,
+        pass_actions={WORKFLOW_STARTED: 1.0, SCHEDULE_RUN: 2.0, ACTIVITY_STARTED: 3.0, MARKERS: 1.0},
+        pass_run_bytes=[4000, 6000],
+    )
+    assert bill.passes_a_day == 96
+    assert bill.fleet_pass_a_day() == 7 * 96
+    # Each machine's one signal in 300 s is 288 a day; the passes' 672 actions are shared among the fleet.
+    assert bill.healthy_a_day(10_000) == pytest.approx(288 + 672 / 10_000)
+    month = bill.month(10_000)
+    assert month["actions"] == pytest.approx(30 * 672 + 30 * 10_000 * 288)
+    assert month["retained_bytes"] == pytest.approx(96 * 5000 * 30)
+    assert not bill.goal_met()
+    assert Bill(**{**vars(bill), "healthy_machine_actions": {}}).goal_met()
