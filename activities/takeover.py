@@ -19,6 +19,19 @@ from providers import MachineNotFound
 
 log = logging.getLogger(__name__)
 
+# A takeover whose SSH session did not come up in time is tried again within its step, a second or two later, as
+# a blip: when a rack comes back, the worker and the machines are busy with the other takeovers, and the next try
+# usually gets through where the step's back-off (the seed's 5 minutes) would hold the machine up.
+RETRIED_WITHIN_THE_STEP = frozenset({TakeoverFailure.CONNECT_TIMEOUT})
+
+
+def takeover_failed(error: TakeoverError) -> ApplicationError:
+    """The activity's error for a failed takeover: tried again at once (the activity's blip retries) when the
+    failure is a connect timeout; else left to the workflow's back-off, as the seed's takeover is."""
+    return ApplicationError(
+        str(error), type=error.failure.name, non_retryable=error.failure not in RETRIED_WITHIN_THE_STEP
+    )
+
 
 def _facts(started_at: datetime, public_key: bytes, warnings: list[str]) -> AgentFacts:
     return AgentFacts(started_at=started_at.isoformat(), key_fingerprint=key_fingerprint(public_key), warnings=warnings)
@@ -77,8 +90,7 @@ class TakeoverActivities:
         except TakeoverError as error:
             self.deps.metrics.takeovers.add(1, {"outcome": error.failure.name.lower()})
             await self.deps.bmdb.add_event(machine_id, "agent_start_failed", str(error))
-            # The workflow's back-off decides when to try again, as the seed's does.
-            raise ApplicationError(str(error), type=error.failure.name, non_retryable=True) from error
+            raise takeover_failed(error) from error
 
         started_at = datetime.now(UTC)
         facts = _facts(started_at, result.agent_public_key, list(result.warnings))

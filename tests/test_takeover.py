@@ -21,7 +21,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from activities.takeover import bmdb_pin
+from activities.takeover import bmdb_pin, takeover_failed
 from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
 from foundation.executables import executable_target
@@ -502,3 +502,12 @@ def closed_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def test_a_connect_timeout_is_tried_again_within_the_step_and_other_failures_wait_for_its_back_off(sshd):
+    target = target_of(sshd)
+    timed_out = takeover_failed(TakeoverError(TakeoverFailure.CONNECT_TIMEOUT, target, "no SSH session within 2s"))
+    assert not timed_out.non_retryable and timed_out.type == "CONNECT_TIMEOUT"
+    assert str(timed_out).endswith("failed: no SSH session within 2s")
+    for failure in set(TakeoverFailure) - {TakeoverFailure.CONNECT_TIMEOUT}:
+        assert takeover_failed(TakeoverError(failure, target, "it failed")).non_retryable, failure
