@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from cryptography import x509
 from temporalio.common import MetricCounter, MetricGauge, MetricGaugeFloat, MetricMeter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
+from foundation.periodic import repeat_every
 from foundation.setting_values import check_listen_address
 from foundation.tls import bmdb_client_certificate_path, read_certificates, soonest_days_left
 
@@ -178,19 +179,4 @@ class CertificateExpiry:
         async def refresh() -> None:
             self.refresh()
 
-        await refresh_gauges(stop, interval, refresh, "certificate expiry")
-
-
-async def refresh_gauges(
-    stop: asyncio.Event, interval: float, refresh: Callable[[], Awaitable[None]], what: str
-) -> None:
-    """Run refresh every interval until stop is set; a failed refresh is logged and tried again next time."""
-    while not stop.is_set():
-        try:
-            await refresh()
-        except Exception as error:  # a gauge a little stale beats a process that stops
-            log.warning("%s not updated: %s", what, error)
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval)
-        except TimeoutError:
-            pass
+        await repeat_every(stop, interval, refresh, "refreshing the certificate expiry gauges")

@@ -19,6 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.fleet import FleetActivities
 from bmdb.connection_errors import connection_failure, first_line
+from foundation.periodic import repeat_every
 from foundation.settings import Settings
 from lifecycle.contracts import fleet_schedule_id
 from lifecycle.inputs import watchdog_input
@@ -35,7 +36,8 @@ async def watch_fleet(stop: asyncio.Event, fleet: FleetActivities, settings: Set
     again at the next interval; nothing is lost, since the silence is still in BMDB then.
     """
     every = settings.watchdog_interval
-    while not stop.is_set():
+
+    async def look_at_every_provider() -> None:
         for instance in settings.provider_instances:
             try:
                 outcome = await _take_turn(fleet, settings, instance.name, by=f"worker {identity}")
@@ -48,10 +50,8 @@ async def watch_fleet(stop: asyncio.Event, fleet: FleetActivities, settings: Set
                 )
                 outcome = "failed"
             fleet.deps.metrics.watchdog_looks.add(1, {"provider": instance.name, "outcome": outcome})
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=every)
-        except TimeoutError:
-            pass
+
+    await repeat_every(stop, every, look_at_every_provider, "the watchdog's looks")
 
 
 async def _take_turn(fleet: FleetActivities, settings: Settings, provider: str, *, by: str) -> str:

@@ -55,9 +55,9 @@ from foundation.metrics import (
     certificate_file,
     meter_of,
     metrics_runtime,
-    refresh_gauges,
 )
 from foundation.operator_proof import install_trust
+from foundation.periodic import repeat_every
 from foundation.provider_instances import ProviderInstance
 from foundation.settings import Settings
 from foundation.startup import StartupError, check_search_attributes, connect_temporal
@@ -301,7 +301,7 @@ async def observe_fleet(client: Client, deps: ActivityDeps, stop: asyncio.Event)
             deps.metrics.recoveries_held.set(count, {"provider": instance.name})
             deps.metrics.machines_stuck.set(stuck.get(instance.name, 0), {"provider": instance.name})
 
-    await refresh_gauges(stop, min(settings.reconcile_interval, 30.0), refresh, "fleet gauges")
+    await repeat_every(stop, min(settings.reconcile_interval, 30.0), refresh, "refreshing the fleet gauges")
 
 
 def watch_certificates(
