@@ -52,6 +52,8 @@ def test_durations(text, seconds):
         ({"SHEPHERD_SSH_EXEC_TIMEOUT": "-5s"}, "ssh_exec_timeout"),
         ({"SHEPHERD_SSH_EXEC_TIMEOUT": "soon"}, "ssh_exec_timeout"),
         ({"SHEPHERD_CHUNK_SIZE": "0"}, "chunk_size"),
+        ({"SHEPHERD_WATCHDOG_INTERVAL": "0"}, "watchdog_interval"),
+        ({"SHEPHERD_WATCHDOG_INTERVAL": "soon"}, "watchdog_interval"),
         ({"SHEPHERD_MAX_MACHINES": "many"}, "max_machines"),
         ({"SHEPHERD_MAX_CACHED_WORKFLOWS": "-1"}, "max_cached_workflows"),
         ({"SHEPHERD_AGENT_START_BACKOFF_MULTIPLIER": "0.5"}, "agent_start_backoff_multiplier"),
