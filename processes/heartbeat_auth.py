@@ -40,8 +40,13 @@ STAND_IN_WEIGHT = 1 / 32
 # Agent keys kept in memory, least recently used dropped first: 100,000 keys are about 20 MB.
 KEY_CACHE_SIZE = 100_000
 
-# Machine ids BMDB has no agent for, remembered for one heartbeat interval: a flood of them costs no BMDB reads.
+# Machine ids BMDB has no agent for, remembered a while: a flood of them costs no BMDB reads.
 UNKNOWN_CACHE_SIZE = 100_000
+
+# How long an id BMDB had no agent key for is answered without asking again: a flood of one id costs a read a
+# second. No longer, because a new agent's first heartbeat can come before its takeover has recorded its key, and
+# its next try, a few seconds on, must find it.
+UNKNOWN_FOR_SECONDS = 1.0
 
 # Verified when a machine has no agent key, so an unknown id costs what a wrong key does.
 DUMMY_KEY = Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -174,7 +179,7 @@ class AgentKeys:
         self,
         bmdb: BMDB,
         *,
-        unknown_for: float,
+        unknown_for: float = UNKNOWN_FOR_SECONDS,
         cache_size: int = KEY_CACHE_SIZE,
         sleep: Callable[[float], Awaitable[None]] = precise_sleep,
         reads: KeyReads | None = None,
@@ -217,7 +222,7 @@ class AgentKeys:
             return cached
         now = time.monotonic()
         if self._unknown.get(machine_id, 0.0) > now:
-            # Waiting costs neither BMDB nor CPU, and a prober cannot renew the entry: it lapses after an interval.
+            # Waiting costs neither BMDB nor CPU, and a prober cannot renew the entry: it lapses.
             await self.key_read_time.wait()
             key = None
         elif not self.reads.allow(REQUEST_ADDRESS.get()):

@@ -32,7 +32,7 @@ from bmdb.store import BMDB, Heartbeat, HeartbeatsNotRecorded
 from foundation.logs import ThrottledLog
 from foundation.precise_sleep import precise_sleep
 from processes.heartbeat_admission import REQUEST_ADDRESS, AddressRates, KeyReads, address_of
-from processes.heartbeat_auth import KEY_CACHE_SIZE, AgentKeys
+from processes.heartbeat_auth import KEY_CACHE_SIZE, UNKNOWN_FOR_SECONDS, AgentKeys
 from proto import SERVER_TIME_METADATA, STREAM_REFUSED_METADATA, agent_api_pb2
 from proto.signing import NONCE_SIZE, SIGNATURE_SIZE
 
@@ -146,12 +146,13 @@ class HeartbeatService:
         ipv6_prefix: int = 64,
         key_reads_per_address: float = 0.0,
         key_reads: float = 0.0,
+        unknown_for: float = UNKNOWN_FOR_SECONDS,
     ) -> None:
         self.bmdb = bmdb
         self.batcher = HeartbeatBatcher(bmdb)
         self.agent_keys = AgentKeys(
             bmdb,
-            unknown_for=interval,
+            unknown_for=unknown_for,
             cache_size=key_cache_size,
             sleep=sleep,
             reads=KeyReads(key_reads_per_address, key_reads),

@@ -7,6 +7,7 @@ import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -277,20 +278,45 @@ def counted_costs(bmdb: BMDB, monkeypatch: pytest.MonkeyPatch, read_delay: float
     return costs
 
 
-async def test_a_flood_of_unknown_ids_costs_one_bmdb_read_an_interval_and_a_verification_each(
-    endpoint, agent, bmdb, monkeypatch
-):
+@asynccontextmanager
+async def served(service: HeartbeatService) -> AsyncIterator[HeartbeatEndpoint]:
+    """The service on a loopback port without TLS, and a channel to it."""
+    server, port = build_server(service, "127.0.0.1:0", None)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield HeartbeatEndpoint(channel, agent_api_pb2_grpc.AgentCallbackStub(channel), service)
+    finally:
+        await server.stop(None)
+
+
+async def test_a_flood_of_unknown_ids_costs_one_bmdb_read_a_window_and_a_verification_each(agent, bmdb, monkeypatch):
     costs = counted_costs(bmdb, monkeypatch)
     reads, verified = costs.reads, costs.verified
     stranger = uuid.uuid4()
-    for _ in range(20):
-        error = await rejected(endpoint, signed_heartbeat(str(stranger), agent.key))
-        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert reads == [stranger], "BMDB is asked once an interval about an id it does not know"
-    assert len(verified) == 20 and set(verified) == {heartbeat_auth.DUMMY_KEY}, "verified like a wrong key"
-    # The machine's own agent is not held up by the strangers.
-    await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
+    async with served(HeartbeatService(bmdb, interval=30.0, max_skew=60.0, unknown_for=60.0)) as endpoint:
+        for _ in range(20):
+            error = await rejected(endpoint, signed_heartbeat(str(stranger), agent.key))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert reads == [stranger], "BMDB is asked once a window about an id it does not know"
+        assert len(verified) == 20 and set(verified) == {heartbeat_auth.DUMMY_KEY}, "verified like a wrong key"
+        # The machine's own agent is not held up by the strangers.
+        await endpoint.stub.Heartbeat(signed_heartbeat(str(agent.machine_id), agent.key))
     assert await heartbeat_at(bmdb, agent.machine_id) is not None
+
+
+async def test_a_new_agent_heard_before_its_key_was_recorded_is_let_in_a_second_later(endpoint, bmdb):
+    machine_id, _ = await bmdb.admit_machine("sim", "node-0002")
+    key = Ed25519PrivateKey.generate()
+    # The agent's first heartbeat overtook the takeover's record of its key.
+    error = await rejected(endpoint, signed_heartbeat(str(machine_id), key))
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC), public)
+    await asyncio.sleep(heartbeat_auth.UNKNOWN_FOR_SECONDS)
+    # Its next try, well within a heartbeat interval (30 s here), is accepted.
+    await endpoint.stub.Heartbeat(signed_heartbeat(str(machine_id), key))
+    assert await heartbeat_at(bmdb, machine_id) is not None
 
 
 async def test_one_address_sending_too_fast_is_slowed_and_the_log_says_so_once(bmdb, agent, tmp_path, caplog):
