@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import uuid
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
 
 from lifecycle.contracts import HEARTBEAT_LOST_SIGNAL, MachineStage
 from tests.fleet_stack import FleetStack, fleet_stack
@@ -72,6 +75,13 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
         assert story[5].detail.startswith("rebooted: heartbeat lost: last heartbeat at")
         # The healthy machine was left alone.
         assert (await stack.status("node-0002")).recovery_count == 0
+        # Of the recovery (in the run of the bring-up), only the provider's reboot and the boot wait went to a task
+        # queue; the silence's confirmation and the reboot's record, each one BMDB statement, ran within the workflow
+        # task that needed it.
+        assert await _recovery_steps(temporal_client, "machine-sim-node-0001") == (
+            ["provision_machine", "start_agent", "reboot_through_provider", "wait_for_boot"],
+            ["confirm_silence", "record_reboot"],
+        )
 
         # A heartbeat_lost sent straight to Temporal (anyone with write access to the namespace can) about the healthy
         # machine, and a stale one (the cause alone, as older watchdogs sent it) about the machine just recovered:
@@ -94,6 +104,26 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
             await stack.wait_for_stage([provider_id], MachineStage.WATCHING)
             assert (await stack.status(provider_id)).recovery_count == recoveries
         assert (await heartbeat_of(stack, bmdb, "node-0002")).agent_public_key == healthy.agent_public_key
+
+
+async def _recovery_steps(client: Client, workflow_id: str) -> tuple[list[str], list[str]]:
+    """The activities the run that rebooted the machine scheduled on task queues, and those it ran locally."""
+    async for execution in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
+        history = await client.get_workflow_handle(workflow_id, run_id=execution.run_id).fetch_history()
+        queued = [
+            event.activity_task_scheduled_event_attributes.activity_type.name
+            for event in history.events
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        ]
+        if "reboot_through_provider" in queued:
+            local = [
+                event.marker_recorded_event_attributes.details["data"].payloads[0].data
+                for event in history.events
+                if event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+                and event.marker_recorded_event_attributes.marker_name == "core_local_activity"
+            ]
+            return queued, [json.loads(data)["activity_type"] for data in local]
+    raise AssertionError(f"no run of {workflow_id} rebooted its machine")
 
 
 async def _event(bmdb, machine_id, kind: str):

@@ -2,8 +2,10 @@
 
 Provider calls run on the provider instance's own task queue, whose rate limit Temporal holds across all workers;
 the SSH work on its machines (the takeover, the boot wait) on the instance's machine queue, which that limit does
-not slow; BMDB writes on the worker's. An activity retries a blip (a dropped connection) a few times itself; a
-failure that says something about the machine goes back to the step that ran it, which waits the stage's back-off.
+not slow; BMDB writes on the worker's, but for the two a recovery waits on (the silence confirmed, the reboot
+recorded), which run as local activities within the workflow task. An activity retries a blip (a dropped
+connection) a few times itself; a failure that says something about the machine goes back to the step that ran
+it, which waits the stage's back-off.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from activities.decommission import DecommissionActivities
@@ -45,6 +48,9 @@ with workflow.unsafe.imports_passed_through():
 BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 # BMDB marks of what an operator must see: tried until BMDB answers, as the stage's own steps need it too.
 UNTIL_BMDB_ANSWERS = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5))
+# Recoveries recorded before the silence's confirmation and the reboot's record ran as local activities scheduled
+# them on the task queue, each a dispatch and a workflow task more.
+_BMDB_STEPS_LOCAL = "recovery-bmdb-steps-local"
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 BOOT_WAIT_BOUND = timedelta(hours=4)
 
@@ -122,17 +128,12 @@ async def reimage_through_provider(machine: MachineInput, reimage: RebootInput) 
 
 async def record_reboot(reboot: RebootInput) -> None:
     """Record the reboot (or reimage) in BMDB, which forgets the old agent (and, after a reimage, the host key)."""
-    await workflow.execute_activity_method(
-        RecoveryActivities.record_reboot,
-        reboot,
-        summary=(
-            "record the reimage in BMDB and forget the old agent and host key"
-            if reboot.reimage
-            else "record the reboot in BMDB and forget the old agent"
-        ),
-        start_to_close_timeout=timedelta(minutes=1),
-        retry_policy=BLIP_RETRY,
+    summary = (
+        "record the reimage in BMDB and forget the old agent and host key"
+        if reboot.reimage
+        else "record the reboot in BMDB and forget the old agent"
     )
+    await _bmdb_step(RecoveryActivities.record_reboot, reboot, summary, BLIP_RETRY)
 
 
 async def wait_for_boot(machine: MachineInput, went_down: bool) -> BootWaitResult:
@@ -177,14 +178,35 @@ async def agent_alive(check: AgentCheckInput, provider_id: str) -> bool:
 
 async def confirm_silence(check: SilenceCheckInput, provider_id: str) -> SilenceCheck:
     """Whether BMDB still finds the agent silent, as the heartbeat_lost that asked for the recovery said."""
-    confirmed: SilenceCheck = await workflow.execute_activity_method(
-        RecoveryActivities.confirm_silence,
-        check,
-        summary=f"is the agent of {provider_id} still silent, with no hold on its provider?",
-        start_to_close_timeout=timedelta(minutes=1),
-        retry_policy=UNTIL_BMDB_ANSWERS,
-    )
+    summary = f"is the agent of {provider_id} still silent, with no hold on its provider?"
+    confirmed: SilenceCheck = await _bmdb_step(RecoveryActivities.confirm_silence, check, summary, UNTIL_BMDB_ANSWERS)
     return confirmed
+
+
+async def _bmdb_step(activity: Callable[[Any, Any], Awaitable[Any]], arg: Any, summary: str, retry: RetryPolicy) -> Any:
+    """A step of one BMDB transaction, run as a local activity within the workflow task that needs it; as an
+    ordinary activity, on the worker's queue, in runs recorded before."""
+    options: dict[str, Any] = {
+        "summary": summary,
+        "start_to_close_timeout": timedelta(minutes=1),
+        "retry_policy": retry,
+    }
+    if not workflow.patched(_BMDB_STEPS_LOCAL):
+        return await workflow.execute_activity_method(activity, arg, **options)
+    try:
+        return await workflow.execute_local_activity_method(activity, arg, **options)
+    except FailureError as failure:
+        # A local activity's last failure is raised bare, where an activity's comes wrapped: wrapped here, so the
+        # steps' back-off takes it as any step's failure rather than the run failing with it.
+        raise ActivityError(
+            f"local activity {activity.__name__} failed",
+            scheduled_event_id=0,
+            started_event_id=0,
+            identity="",
+            activity_type=activity.__name__,
+            activity_id="",
+            retry_state=None,
+        ) from failure
 
 
 async def stop_agent(machine: MachineInput, request: DecommissionInput) -> str:

@@ -426,9 +426,16 @@ class MachineWorkflow(MachineFlows, ActionLog):
             self._reimage_on_release = request.reimage
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
             return
-        if self._confirming_silence and request.by_an_operator:
+        pending = status.recovery_requested
+        watchdogs_pending = pending is not None and not pending.by_an_operator
+        under_way = status.stage in (MachineStage.RECOVERING, MachineStage.REIMAGING)
+        if request.by_an_operator and (self._confirming_silence or (watchdogs_pending and not under_way)):
+            # The watchdog's request goes ahead only if BMDB confirms the silence; an operator's always does. Both
+            # signals can come in one workflow task, the watchdog's first.
             status.recovery_requested = request
-            workflow.logger.info("recovery requested while a silence is confirmed: %s", reason, extra=self._log_fields)
+            workflow.logger.info(
+                "recovery requested, in place of the watchdog's not yet confirmed: %s", reason, extra=self._log_fields
+            )
             return
         if status.recovery_requested is not None or status.stage in (MachineStage.RECOVERING, MachineStage.REIMAGING):
             status.recovery_requests_coalesced += 1
