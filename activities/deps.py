@@ -7,6 +7,7 @@ executable) live here and never in a payload.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
@@ -141,3 +143,24 @@ async def provider_errors() -> AsyncIterator[None]:
         if error.retryable:
             raise
         raise ApplicationError(str(error), type=type(error).__name__, non_retryable=True) from error
+
+
+@asynccontextmanager
+async def heartbeating(every: float) -> AsyncIterator[None]:
+    """Heartbeat the running activity at once and then every `every` seconds while the block runs.
+
+    Temporal sends the first at once and the rest at most once per most of the heartbeat timeout, so an attempt
+    over within that costs one recorded heartbeat; an attempt whose task never reached its worker, or whose worker
+    died, is retried after the heartbeat timeout rather than after the whole start-to-close.
+    """
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(every)
+
+    beating = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        beating.cancel()

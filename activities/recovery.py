@@ -204,6 +204,8 @@ class RecoveryActivities:
         deadline = input.deadline if input.deadline is not None else self.deps.settings.boot_deadline
         until = info.scheduled_time + timedelta(seconds=deadline)
         seen_down = input.went_down or bool(info.heartbeat_details and info.heartbeat_details[0])
+        # At once, so a wait whose task never reached this worker is told from one under way within the timeout.
+        activity.heartbeat(seen_down)
         async with provider_errors():
             machine = await self.deps.provider(input.provider).get_machine(input.provider_id)
         if machine.address is None:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.deps import ActivityDeps, provider_errors
+from activities.deps import ActivityDeps, heartbeating, provider_errors
 from bmdb.store import BMDB, HostKeyPinned, HostKeyUnexpected, MachineRecord
 from foundation.ssh_sessions import host_key_fingerprint
 from lifecycle.contracts import AgentFacts, DecommissionInput, StartAgentInput
@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 # a blip: when a rack comes back, the worker and the machines are busy with the other takeovers, and the next try
 # usually gets through where the step's back-off (the seed's 5 minutes) would hold the machine up.
 RETRIED_WITHIN_THE_STEP = frozenset({TakeoverFailure.CONNECT_TIMEOUT})
+
+
+# How often a takeover heartbeats; well within its heartbeat timeout (the workflow's TAKEOVER_HEARTBEAT_TIMEOUT).
+TAKEOVER_HEARTBEAT_SECONDS = 3.0
 
 
 def takeover_failed(error: TakeoverError) -> ApplicationError:
@@ -66,6 +70,10 @@ class TakeoverActivities:
     @activity.defn
     async def start_agent(self, input: StartAgentInput) -> AgentFacts:
         """Upload and run the agent; record its key. Safe to run again."""
+        async with heartbeating(TAKEOVER_HEARTBEAT_SECONDS):
+            return await self._start_agent(input)
+
+    async def _start_agent(self, input: StartAgentInput) -> AgentFacts:
         machine_id = uuid.UUID(input.machine_id)
         record = await self._record(machine_id)
         if record.agent_started_at is not None and record.agent_public_key is not None:

@@ -61,6 +61,7 @@ from lifecycle.contracts import (
 )
 from lifecycle.inputs import lifecycle_policy
 from workflows.machine import STEP_ATTEMPTS_PER_RUN, MachineWorkflow
+from workflows.machine.activities import TAKEOVER_HEARTBEAT_TIMEOUT
 
 # The seed's back-offs are the settings' defaults.
 SEED_POLICY = lifecycle_policy(Settings())
@@ -93,6 +94,8 @@ class FakeMachineActivities:
         self.silence = SilenceCheck(True, "last heartbeat at 10:00")
         self.silence_checks: list[SilenceCheckInput] = []
         self.silence_gate: asyncio.Event | None = None
+        # Agent starts that are never heard from again, as a task lost on its way to a worker, or a worker dead.
+        self.agent_starts_lost = 0
         # While set and not open, record_operator_action waits for it: an operator action's handler still running.
         self.action_log_gate: asyncio.Event | None = None
         # Every call in order, by activity name.
@@ -220,6 +223,8 @@ class FakeMachineActivities:
     async def start_agent(self, input: StartAgentInput) -> AgentFacts:
         self.calls.append("start_agent")
         self.agent_attempt_times.append(activity.info().current_attempt_scheduled_time.timestamp())
+        if len(self.agent_attempt_times) <= self.agent_starts_lost:
+            await asyncio.Event().wait()
         if len(self.agent_attempt_times) <= self.agent_failures:
             raise ApplicationError("agent said: disk on fire", type="AGENT_ERROR", non_retryable=True)
         # Every agent started has a key of its own, as on a machine.
@@ -547,6 +552,21 @@ async def test_a_reboot_recorded_after_a_blip_is_not_repeated_and_the_takeover_w
         (wait,) = fakes.boot_waits
         assert wait.went_down and wait.deadline == FAST.boot_deadline == Settings().boot_deadline
         assert status.waiting_for_boot_since is None
+        await handle.terminate()
+
+
+async def test_a_takeover_never_heard_from_is_tried_again_after_its_heartbeat_timeout_not_its_whole_time(
+    time_skipping_env,
+):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    fakes.agent_starts_lost = 1
+    async with machine_worker(env, fakes, "lost-takeover") as queue:
+        handle = await start_machine(env, queue, FAST)
+        await skipped_until(env, handle, lambda status: status.stage is MachineStage.WATCHING)
+        first, second = fakes.agent_attempt_times
+        # The activity's retry (a second on) after the heartbeat timeout, well before its start-to-close.
+        assert second - first <= TAKEOVER_HEARTBEAT_TIMEOUT.total_seconds() + 2 < FAST.agent_start_timeout
         await handle.terminate()
 
 

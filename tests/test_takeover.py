@@ -20,7 +20,9 @@ from pathlib import Path
 
 import asyncssh
 import pytest
+from temporalio.testing import ActivityEnvironment
 
+from activities.deps import heartbeating
 from activities.takeover import bmdb_pin, takeover_failed
 from agent.build import build_agent_executable
 from agent.reference import KEY_FILE, LOG_FILE, NO_CA_WARNING
@@ -511,3 +513,23 @@ def test_a_connect_timeout_is_tried_again_within_the_step_and_other_failures_wai
     assert str(timed_out).endswith("failed: no SSH session within 2s")
     for failure in set(TakeoverFailure) - {TakeoverFailure.CONNECT_TIMEOUT}:
         assert takeover_failed(TakeoverError(failure, target, "it failed")).non_retryable, failure
+
+
+async def test_the_ssh_work_heartbeats_at_once_and_while_it_runs_and_not_after():
+    beats: list[tuple[object, ...]] = []
+    environment = ActivityEnvironment()
+    environment.on_heartbeat = lambda *details: beats.append(details)
+    seen: dict[str, int] = {}
+
+    async def work() -> None:
+        async with heartbeating(0.02):
+            await asyncio.sleep(0)
+            seen["at once"] = len(beats)
+            await asyncio.sleep(0.3)
+            seen["while"] = len(beats)
+
+    await environment.run(work)
+    seen["after"] = len(beats)
+    await asyncio.sleep(0.1)
+    assert seen["at once"] == 1 and seen["while"] > 2
+    assert len(beats) == seen["after"], "no heartbeat once the work is over"

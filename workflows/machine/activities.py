@@ -51,6 +51,12 @@ UNTIL_BMDB_ANSWERS = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_
 # Recoveries recorded before the silence's confirmation and the reboot's record ran as local activities scheduled
 # them on the task queue, each a dispatch and a workflow task more.
 _BMDB_STEPS_LOCAL = "recovery-bmdb-steps-local"
+# How long an attempt of the SSH work may go unheard before it is tried again: a task lost on its way to a worker
+# (the server handed it to a poll whose answer never arrived) or a worker that died waits this long, not the whole
+# start-to-close (a takeover's minute, a boot's deadline). Temporal records a heartbeat at the start and then at most
+# one per most of this, so a takeover over within it costs one, and a boot wait one per 24 s of the boot.
+TAKEOVER_HEARTBEAT_TIMEOUT = timedelta(seconds=20)
+BOOT_WAIT_HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
 BOOT_WAIT_BOUND = timedelta(hours=4)
 
@@ -103,6 +109,7 @@ async def start_agent(machine: MachineInput, replacing: str | None) -> AgentFact
         ),
         summary=f"start the agent on {machine.provider_id} over SSH",
         **_on_the_machine(machine, machine.policy.agent_start_timeout),
+        heartbeat_timeout=TAKEOVER_HEARTBEAT_TIMEOUT,
     )
 
 
@@ -150,7 +157,7 @@ async def wait_for_boot(machine: MachineInput, went_down: bool) -> BootWaitResul
         ),
         summary=f"wait for {machine.provider_id} to answer SSH after the reboot",
         **_on_the_machine(machine, deadline + 60 if deadline else BOOT_WAIT_BOUND.total_seconds()),
-        heartbeat_timeout=timedelta(minutes=2),
+        heartbeat_timeout=BOOT_WAIT_HEARTBEAT_TIMEOUT,
     )
 
 
