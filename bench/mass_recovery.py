@@ -11,7 +11,9 @@ Shepherd  the stack of bench.chaos (Temporal dev server, PostgreSQL, the
           silent, `shepherd fleet --release-recoveries` releases them, and
           the time runs from the release BMDB records until every machine is
           WATCHING (Temporal visibility) with an agent started and heard from
-          since the release (BMDB), polled every POLL seconds.
+          since the release (BMDB), polled every POLL seconds; and, beside it,
+          until every machine is WATCHING with a new agent started, heard
+          from or not.
 floor     in the same run, while the stack idles with its fleet heartbeating,
           once before the storm and once after Shepherd's recovery:
           a simulator of its own, in this process, with as many machines and
@@ -19,8 +21,11 @@ floor     in the same run, while the stack idles with its fleet heartbeating,
           --rate reboots a second, waits for each machine's SSH port to
           answer (polled every FLOOR_POLL seconds), and takes it over with
           bench.bringup's raw asyncssh takeover, at most the worker's activity
-          slots at once. Timed from the first reboot until the last takeover
-          answered; the ratio is Shepherd's time to the mean of the two.
+          slots at once, starting the same agent as Shepherd's, which starts
+          its daemon and heartbeats to a server in this process that accepts
+          every heartbeat. Timed from the first reboot until the last new
+          agent was heard from, and until the last takeover answered; each
+          ratio is Shepherd's time to the mean of the two floors' same end.
 
 Then the damage the storm did: machines rebooted more than once (the
 simulator's count from the kill to the end, and BMDB's `rebooted` events
@@ -58,15 +63,17 @@ from pathlib import Path
 
 import aiohttp
 import asyncssh
+import grpc
 
 from agent.build import build_agent_executable
+from bench.agent import AcceptingServer, throwaway_tls
 from bench.bringup import add_dynamic_config_option, dev_server_arguments, raise_file_limit, raw_takeover
 from bench.chaos import PROVIDER, SIM_BOOT_SECONDS, WATCHING, ChaosError, Stack, positive, run_on_stack
 from bench.chaos import Options as StackOptions
 from foundation.provider_instances import ProviderInstance
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
 from operations.machine_reads import machine_stages
-from proto import takeover_pb2
+from proto import agent_api_pb2, agent_api_pb2_grpc, takeover_pb2
 from providers import ProviderMachine
 from providers.sim import SimProvider
 from simulator import Simulator, SimulatorConfig
@@ -76,8 +83,8 @@ FLOOR_POLL = 0.1
 PROGRESS_EVERY = 10.0
 CALL_TIMEOUT = 10.0
 KILLS_IN_FLIGHT = 50
-# Told to the floor's agents, which send no heartbeats: nothing listens there.
-FLOOR_ENDPOINT = "127.0.0.1:9"
+# The heartbeat interval the floor's heartbeat server asks for, as the stack's does.
+FLOOR_HEARTBEAT_EVERY = 5.0
 RELEASE_REASON = "the rack's power is back"
 STORM_KINDS = ("rebooted", "reimaged", "quarantined")
 SQL_REBOOTED = "SELECT count(*) FROM events WHERE kind = 'rebooted'"
@@ -139,7 +146,10 @@ def storm_damage(slots: Sequence[str], reboots: Mapping[str, int], events: Seque
 
 @dataclass
 class Floor:
+    # From the first reboot until the last new agent was heard from.
     seconds: float = 0.0
+    # From the first reboot until the last takeover answered.
+    answered_seconds: float = 0.0
     failures: int = 0
     damage: Damage = field(default_factory=Damage)
 
@@ -174,6 +184,8 @@ class Report:
     hold_reason: str = ""
     rebooted_while_held: int = 0
     shepherd_seconds: float | None = None
+    # Until every machine was WATCHING with a new agent started, heard from or not.
+    watching_seconds: float | None = None
     phases: Phases = field(default_factory=Phases)
     damage: Damage = field(default_factory=Damage)
     # The floor measured before the storm and after Shepherd's recovery.
@@ -194,6 +206,20 @@ class Report:
             return None
         return self.shepherd_seconds / self.floor_seconds
 
+    @property
+    def floor_answered_seconds(self) -> float | None:
+        """The mean of the floors' times until the last takeover answered."""
+        if not self.floors:
+            return None
+        return sum(floor.answered_seconds for floor in self.floors) / len(self.floors)
+
+    @property
+    def watching_ratio(self) -> float | None:
+        """Shepherd's time until every machine was WATCHING to the floor's until every takeover answered."""
+        if self.watching_seconds is None or not self.floor_answered_seconds:
+            return None
+        return self.watching_seconds / self.floor_answered_seconds
+
 
 async def wait_for_ssh(address: str, port: int, limit: float) -> None:
     """Until the port accepts a connection, tried every FLOOR_POLL seconds; ChaosError after limit seconds."""
@@ -212,21 +238,47 @@ async def wait_for_ssh(address: str, port: int, limit: float) -> None:
 
 
 def floor_keys_and_agent(root: Path) -> tuple[asyncssh.SSHKey, bytes]:
-    """The floor's SSH key and its agent, which answers the takeover and exits (it sends no heartbeats)."""
+    """The floor's SSH key and its agent, the same as Shepherd's: it answers the takeover, then starts its daemon,
+    which heartbeats."""
     root.mkdir(parents=True)
     key = load_or_create_ssh_key(root / "ssh_key")
-    return key, build_agent_executable(root / "agent", heartbeats=False).read_bytes()
+    return key, build_agent_executable(root / "agent").read_bytes()
+
+
+class FirstHeartbeats(AcceptingServer):
+    """The floor's heartbeat server: accepts every heartbeat, and tells when each machine's agent was first heard."""
+
+    def __init__(self) -> None:
+        super().__init__(FLOOR_HEARTBEAT_EVERY)
+        self.heard: dict[str, asyncio.Event] = {}
+
+    def first(self, machine_id: str) -> asyncio.Event:
+        """Set once the machine's agent is first heard from."""
+        return self.heard.setdefault(machine_id, asyncio.Event())
+
+    def _accept(self, request: agent_api_pb2.HeartbeatRequest) -> agent_api_pb2.HeartbeatResponse:
+        self.first(request.machine_id).set()
+        return super()._accept(request)
 
 
 async def measure_floor(root: Path, options: Options, concurrency: int, limit: float) -> Floor:
-    """The raw script: reboots at options.rate, the boot, the takeovers at most concurrency at once."""
+    """The raw script: reboots at options.rate, the boot, the takeovers at most concurrency at once, and each new
+    agent's first heartbeat."""
     key, agent = await asyncio.to_thread(floor_keys_and_agent, root)
+    credentials, ca_der = throwaway_tls()
+    heartbeats = FirstHeartbeats()
+    server = grpc.aio.server()
+    agent_api_pb2_grpc.add_AgentCallbackServicer_to_server(heartbeats, server)
+    endpoint = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', credentials)}"
+    await server.start()
     sim = Simulator(
         SimulatorConfig(machines=options.machines, state_dir=root / "sim", api_port=0, boot_seconds=SIM_BOOT_SECONDS)
     )
     await sim.start()
     provider = SimProvider(sim.api_url)
     floor = Floor()
+    answered: list[float] = []
+    heard: list[float] = []
     try:
         created = [
             await provider.create_machine(slot, str(uuid.uuid4()), public_key_openssh(key)) for slot in sim.slots
@@ -238,20 +290,33 @@ async def measure_floor(root: Path, options: Options, concurrency: int, limit: f
             await asyncio.sleep(max(0.0, started + index / options.rate - time.perf_counter()))
             await provider.reboot_machine(machine.provider_id)
             await wait_for_ssh(machine.address or "", machine.ssh_port, limit)
-            init = takeover_pb2.TakeoverInit(machine_id=str(uuid.uuid4()), endpoint=FLOOR_ENDPOINT)
+            machine_id = str(uuid.uuid4())
+            init = takeover_pb2.TakeoverInit(machine_id=machine_id, endpoint=endpoint, ca_certificates=[ca_der])
             async with takeovers:
                 try:
                     await raw_takeover(machine.address or "", machine.ssh_port, key, agent, init)
                 except (OSError, RuntimeError) as error:
                     print(f"floor: takeover of {machine.provider_id} failed: {error}", file=sys.stderr)
                     floor.failures += 1
+                    return
+            answered.append(time.perf_counter())
+            try:
+                await asyncio.wait_for(heartbeats.first(machine_id).wait(), limit)
+            except TimeoutError:
+                print(f"floor: the agent of {machine.provider_id} was not heard from", file=sys.stderr)
+                floor.failures += 1
+                return
+            heard.append(time.perf_counter())
 
         await asyncio.gather(*(recover(index, machine) for index, machine in enumerate(created)))
-        floor.seconds = round(time.perf_counter() - started, 1)
+        floor.seconds = round(max(heard, default=started) - started, 1)
+        floor.answered_seconds = round(max(answered, default=started) - started, 1)
         floor.damage = storm_damage(sim.slots, sim.reboots, [])
     finally:
         await provider.close()
+        # The machines' shutdown ends their agents, which would heartbeat on.
         await sim.stop()
+        await server.stop(None)
     return floor
 
 
@@ -301,12 +366,12 @@ class MassRecovery:
     async def floor(self, name: str) -> Floor:
         self.say(f"floor: {self.options.machines} reboots at {self.options.rate:g}/s, boots and raw takeovers")
         floor = await measure_floor(self.stack.root / name, self.options, self.report.concurrency, self.options.limit)
-        self.say(f"floor: {floor.seconds:.1f}s")
+        self.say(f"floor: {floor.seconds:.1f}s ({floor.answered_seconds:.1f}s to the last takeover answered)")
         return floor
 
-    async def counts(self, since: datetime | None = None) -> tuple[int, int, int]:
-        """Machines WATCHING (Temporal visibility), with a fresh heartbeat, and with an agent started and heard
-        from since the moment given (BMDB)."""
+    async def counts(self, since: datetime | None = None) -> tuple[int, int, int, int]:
+        """Machines WATCHING (Temporal visibility), with a fresh heartbeat, with an agent started and heard from since
+        the moment given, and with an agent started since then, heard from or not (BMDB)."""
         stages = await asyncio.wait_for(machine_stages(self.stack.client), CALL_TIMEOUT)
         watching = sum(1 for stage in stages.values() if stage == WATCHING)
         rows = await self.stack.sql(
@@ -315,12 +380,13 @@ class MassRecovery:
               (SELECT count(*) FROM machine_agent_heartbeat
                 WHERE agent_heartbeat_at > now() - make_interval(secs => %(timeout)s)),
               (SELECT count(*) FROM machine_agent_started a JOIN machine_agent_heartbeat h USING (machine_id)
-                WHERE a.agent_started_at >= %(since)s AND h.agent_heartbeat_at >= a.agent_started_at)
+                WHERE a.agent_started_at >= %(since)s AND h.agent_heartbeat_at >= a.agent_started_at),
+              (SELECT count(*) FROM machine_agent_started WHERE agent_started_at >= %(since)s)
             """,
             {"timeout": self.options.heartbeat_timeout, "since": since or datetime.now().astimezone()},
         )
-        fresh, back = (int(n) for n in rows[0])
-        return watching, fresh, back
+        fresh, back, started = (int(n) for n in rows[0])
+        return watching, fresh, back, started
 
     async def bring_up(self) -> float:
         """Until every machine is WATCHING with a fresh heartbeat; how many seconds that took."""
@@ -328,7 +394,7 @@ class MassRecovery:
         last_progress = 0.0
         while True:
             await self.stack.restart_unasked_exits()
-            watching, fresh, _ = await self.counts()
+            watching, fresh, _, _ = await self.counts()
             if watching == machines and fresh == machines:
                 took = round(time.monotonic() - started, 1)
                 self.say(f"all {machines} machines WATCHING and heartbeating after {took}s")
@@ -398,9 +464,11 @@ class MassRecovery:
         machines = self.options.machines
         last_progress = 0.0
         while True:
-            watching, _, back = await self.counts(since=released_at)
+            watching, _, back, started = await self.counts(since=released_at)
             now = (await self.stack.sql("SELECT now()"))[0][0]
             elapsed = (now - released_at).total_seconds()
+            if watching == machines and started == machines and self.report.watching_seconds is None:
+                self.report.watching_seconds = round(elapsed, 1)
             if watching == machines and back == machines:
                 self.report.shepherd_seconds = round(elapsed, 1)
                 self.say(f"every machine WATCHING with a new agent {elapsed:.1f}s after the release")
@@ -465,13 +533,18 @@ def names(items: Sequence[str]) -> str:
 def table(report: Report) -> list[str]:
     damage, phases, floors = report.damage, report.phases, report.floors
     floor_seconds = ", ".join(seconds(floor.seconds) for floor in floors)
+    floor_answered = ", ".join(seconds(floor.answered_seconds) for floor in floors)
     floor_failures = sum(floor.failures for floor in floors)
     floor_twice = sorted({slot for floor in floors for slot in floor.damage.rebooted_twice})
     ratio = "-" if report.ratio is None else f"{report.ratio:.2f}x"
+    watching_ratio = "-" if report.watching_ratio is None else f"{report.watching_ratio:.2f}x"
     rows = [
-        ("Shepherd: release to all WATCHING again", seconds(report.shepherd_seconds)),
-        ("floor: first reboot to last takeover", f"{floor_seconds}  ({floor_failures} takeovers failed)"),
+        ("Shepherd: release to all WATCHING, new agents heard from", seconds(report.shepherd_seconds)),
+        ("floor: first reboot to last new agent heard from", f"{floor_seconds}  ({floor_failures} takeovers failed)"),
         ("ratio Shepherd / mean floor", ratio),
+        ("Shepherd: release to all WATCHING, new agents started", seconds(report.watching_seconds)),
+        ("floor: first reboot to last takeover answered", floor_answered),
+        ("ratio of those", watching_ratio),
         ("recoveries held after the kill", f"{seconds(report.hold_after_kill)}  ({report.hold_reason})"),
         ("rebooted while held", str(report.rebooted_while_held)),
         ("machines rebooted (provider's count)", f"{damage.rebooted} of {report.machines}"),
@@ -556,7 +629,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     report = run_on_stack(stack, MassRecovery(stack, options).run, keep=args.keep)
     if args.json:
-        document = {**asdict(report), "floor_seconds": report.floor_seconds, "ratio": report.ratio}
+        document = {
+            **asdict(report),
+            "floor_seconds": report.floor_seconds,
+            "ratio": report.ratio,
+            "floor_answered_seconds": report.floor_answered_seconds,
+            "watching_ratio": report.watching_ratio,
+        }
         print(json.dumps(document, indent=2, default=str))
     else:
         print("\n".join(table(report)))

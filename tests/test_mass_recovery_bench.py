@@ -1,8 +1,9 @@
-"""bench.mass_recovery: the storm's damage counted from the provider's reboot counts and BMDB's events."""
+"""bench.mass_recovery: the storm's damage counted from the provider's reboot counts and BMDB's events; the floor run
+for a few machines."""
 
 from __future__ import annotations
 
-from bench.mass_recovery import storm_damage
+from bench.mass_recovery import Options, measure_floor, storm_damage
 
 SLOTS = ["node-0001", "node-0002", "node-0003", "node-0004"]
 
@@ -35,3 +36,14 @@ def test_reimages_and_quarantines_are_named_once_each():
     assert damage.reimaged == ["node-0003"]
     assert damage.quarantined == ["node-0004"]
     assert damage.rebooted_twice == []
+
+
+async def test_the_floor_takes_each_machine_over_with_shepherds_agent_and_hears_it(tmp_path):
+    options = Options(
+        machines=3, rate=10.0, activities_per_second=10.0, heartbeat_timeout=60.0, reconcile_interval=5.0, limit=60.0
+    )
+    floor = await measure_floor(tmp_path / "floor", options, concurrency=3, limit=60.0)
+    assert floor.failures == 0
+    assert floor.damage.rebooted == 3 and floor.damage.rebooted_twice == []
+    # Each new agent answered its takeover, then started its daemon, which was heard from.
+    assert 0 < floor.answered_seconds <= floor.seconds
