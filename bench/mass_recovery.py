@@ -195,30 +195,31 @@ class Report:
 
     @property
     def floor_seconds(self) -> float | None:
-        """The mean of the floors measured."""
-        if not self.floors:
-            return None
-        return sum(floor.seconds for floor in self.floors) / len(self.floors)
+        """The mean of the floors' times until the last new agent was heard from."""
+        return mean([floor.seconds for floor in self.floors])
 
     @property
     def ratio(self) -> float | None:
-        if self.shepherd_seconds is None or not self.floor_seconds:
-            return None
-        return self.shepherd_seconds / self.floor_seconds
+        return ratio_to(self.shepherd_seconds, self.floor_seconds)
 
     @property
     def floor_answered_seconds(self) -> float | None:
         """The mean of the floors' times until the last takeover answered."""
-        if not self.floors:
-            return None
-        return sum(floor.answered_seconds for floor in self.floors) / len(self.floors)
+        return mean([floor.answered_seconds for floor in self.floors])
 
     @property
     def watching_ratio(self) -> float | None:
         """Shepherd's time until every machine was WATCHING to the floor's until every takeover answered."""
-        if self.watching_seconds is None or not self.floor_answered_seconds:
-            return None
-        return self.watching_seconds / self.floor_answered_seconds
+        return ratio_to(self.watching_seconds, self.floor_answered_seconds)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def ratio_to(shepherd: float | None, floor: float | None) -> float | None:
+    """Shepherd's time to the floor's, when both were measured."""
+    return None if shepherd is None or not floor else shepherd / floor
 
 
 async def wait_for_ssh(address: str, port: int, limit: float) -> None:

@@ -179,6 +179,7 @@ class Bill:
     # Actions by kind, per span; the per-machine figures below are derived from them.
     bringup_actions: dict[str, int] = field(default_factory=dict)
     bringup_fleet_actions: dict[str, int] = field(default_factory=dict)
+    bringup_unrecorded: dict[str, int] = field(default_factory=dict)
     passes_in_bringup: int = 0
     healthy_machine_actions: dict[str, int] = field(default_factory=dict)
     healthy_unrecorded: dict[str, int] = field(default_factory=dict)
@@ -208,9 +209,11 @@ class Bill:
 
     @property
     def bringup_per_machine(self) -> float:
-        """A machine's bring-up: its own workflow, and what the passes that admitted it spent beyond a pass's cost."""
+        """A machine's bring-up: its own workflow, its share of the billed requests of no event (the takeover's
+        recorded heartbeat), and what the passes that admitted it spent beyond a pass's cost."""
         fleet_beyond = sum(self.bringup_fleet_actions.values()) - self.passes_in_bringup * self.per_pass
-        return (sum(self.bringup_actions.values()) + max(0.0, fleet_beyond)) / self.machines
+        unrecorded = sum(n for kind, n in self.bringup_unrecorded.items() if kind != "update requests")
+        return (sum(self.bringup_actions.values()) + unrecorded + max(0.0, fleet_beyond)) / self.machines
 
     @property
     def healthy_own_a_day(self) -> float:
@@ -233,7 +236,14 @@ class Bill:
 
     @property
     def per_recovery(self) -> int:
-        return sum(self.recovery_actions.values()) + self.recovery_unrecorded.get("queries", 0)
+        """A recovery's actions: its workflow's, and the queries and recorded heartbeats (the takeover's, the boot
+        wait's: one per 24 s of a real boot) it caused."""
+        unrecorded = self.recovery_unrecorded
+        return (
+            sum(self.recovery_actions.values())
+            + unrecorded.get("queries", 0)
+            + unrecorded.get("recorded heartbeats", 0)
+        )
 
     @property
     def per_maintenance(self) -> int:
@@ -430,6 +440,7 @@ class BillRun:
 
         bill.bringup_actions = dict(actions_between(machine_runs, bringup))
         bill.bringup_fleet_actions = dict(actions_between(passes, bringup))
+        bill.bringup_unrecorded = dict(bringup.unrecorded())
         bill.passes_in_bringup = sum(1 for r in passes if bringup.start <= r.started_at < bringup.end)
 
         bill.healthy_machine_actions = dict(actions_between(machine_runs, healthy))
@@ -508,7 +519,8 @@ def table(bill: Bill) -> list[str]:
         ),
         (
             "a bring-up (actions a machine)",
-            f"{bill.bringup_per_machine:.1f}  (its workflow: {kinds(bill.bringup_actions)}; the passes admitting: "
+            f"{bill.bringup_per_machine:.1f}  (its workflow: {kinds(bill.bringup_actions)}; billed requests of no "
+            f"event: {kinds(bill.bringup_unrecorded)}; the passes admitting: "
             f"{kinds(bill.bringup_fleet_actions)} in {bill.passes_in_bringup} passes)",
         ),
         (

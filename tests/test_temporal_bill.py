@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.api.common.v1 import Payload, SearchAttributes
@@ -149,14 +150,21 @@ def test_unrecorded_actions_come_from_the_frontends_request_counters() -> None:
     assert unrecorded_actions(before, after) == Counter({"queries": 3, "recorded heartbeats": 4, "update requests": 2})
 
 
-def test_the_day_is_projected_at_the_default_pass_interval_not_the_measured_one() -> None:
-    # Measured with a pass a minute over five minutes; an installation passes every 15 minutes.
-    bill = Bill(
-        machines=50,
+def measured(**fields: Any) -> Bill:
+    """A bill measured with a pass a minute over five minutes, projected to a pass every 15 minutes."""
+    return Bill(
         reconcile_interval=900.0,
         pass_interval=60.0,
         healthy_seconds=300.0,
         assumptions=Assumptions(recoveries=0.0, maintenance_rounds=0.0, retention_days=30.0),
+        **fields,
+    )
+
+
+def test_the_day_is_projected_at_the_default_pass_interval_not_the_measured_one() -> None:
+    # Measured with a pass a minute over five minutes; an installation passes every 15 minutes.
+    bill = measured(
+        machines=50,
         healthy_machine_actions={SIGNAL: 50},
         passes_in_healthy=5,
         pass_actions={WORKFLOW_STARTED: 1.0, SCHEDULE_RUN: 2.0, ACTIVITY_STARTED: 3.0, MARKERS: 1.0},
@@ -171,3 +179,22 @@ def test_the_day_is_projected_at_the_default_pass_interval_not_the_measured_one(
     assert month["retained_bytes"] == pytest.approx(96 * 5000 * 30)
     assert not bill.goal_met()
     assert Bill(**{**vars(bill), "healthy_machine_actions": {}}).goal_met()
+
+
+def test_a_bring_up_counts_the_takeovers_recorded_heartbeats_beside_its_workflow() -> None:
+    bill = measured(
+        machines=2,
+        bringup_actions={WORKFLOW_STARTED: 2, ACTIVITY_STARTED: 4},
+        bringup_unrecorded={"recorded heartbeats": 2, "update requests": 1},
+    )
+    # Three actions of each machine's workflow, and its takeover's heartbeat; no update is a bring-up's.
+    assert bill.bringup_per_machine == 4.0
+
+
+def test_a_recovery_counts_its_recorded_heartbeats_and_queries_beside_its_workflow() -> None:
+    bill = measured(
+        machines=2,
+        recovery_actions={SIGNAL: 1, ACTIVITY_STARTED: 3},
+        recovery_unrecorded={"recorded heartbeats": 2, "queries": 1, "update requests": 0},
+    )
+    assert bill.per_recovery == 7
