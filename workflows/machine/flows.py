@@ -75,13 +75,10 @@ class MachineFlows(MachineRun):
         if requested is None or requested.by_an_operator or not workflow.patched(_SILENCE_CONFIRMED):
             return requested is not None
         agent = status.agent.key_fingerprint if status.agent is not None else None
-        self._confirming_silence = True
-        try:
-            check = await activities.confirm_silence(
-                SilenceCheckInput(status.machine_id, status.provider, agent), status.provider_id
-            )
-        finally:
-            self._confirming_silence = False
+        # An operator's recovery asked meanwhile takes the watchdog's place (_request_recovery), and goes ahead.
+        check = await activities.confirm_silence(
+            SilenceCheckInput(status.machine_id, status.provider, agent), status.provider_id
+        )
         requested = status.recovery_requested
         if check.confirmed or (requested is not None and requested.by_an_operator):
             return requested is not None

@@ -91,9 +91,6 @@ class MachineRun:
         self._restart_asked: tuple[str, str] | None = None
         # The running agent this run's takeover replaces, if a restart continued the workflow as new.
         self._replacing = input.replace_agent
-        # Set while BMDB is asked whether the watchdog's heartbeat_lost still holds: an operator's recovery asked
-        # meanwhile takes its place rather than being coalesced into a recovery that may not happen.
-        self._confirming_silence = False
 
     def _decommission_pending(self) -> bool:
         return self._decommission_asked is not None and self._status.stage is not MachineStage.DECOMMISSIONING

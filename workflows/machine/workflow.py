@@ -427,17 +427,16 @@ class MachineWorkflow(MachineFlows, ActionLog):
             workflow.logger.info("quarantine ended by a forced recovery: %s", reason, extra=self._log_fields)
             return
         pending = status.recovery_requested
-        watchdogs_pending = pending is not None and not pending.by_an_operator
         under_way = status.stage in (MachineStage.RECOVERING, MachineStage.REIMAGING)
-        if request.by_an_operator and (self._confirming_silence or (watchdogs_pending and not under_way)):
-            # The watchdog's request goes ahead only if BMDB confirms the silence; an operator's always does. Both
-            # signals can come in one workflow task, the watchdog's first.
+        if request.by_an_operator and pending is not None and not pending.by_an_operator and not under_way:
+            # The watchdog's request goes ahead only if BMDB confirms the silence (asked before the stage turns
+            # RECOVERING); an operator's always does. Both can come in one workflow task, the watchdog's first.
             status.recovery_requested = request
             workflow.logger.info(
                 "recovery requested, in place of the watchdog's not yet confirmed: %s", reason, extra=self._log_fields
             )
             return
-        if status.recovery_requested is not None or status.stage in (MachineStage.RECOVERING, MachineStage.REIMAGING):
+        if pending is not None or under_way:
             status.recovery_requests_coalesced += 1
             workflow.logger.info("recovery already under way; coalesced: %s", reason, extra=self._log_fields)
             return
