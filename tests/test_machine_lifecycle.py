@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
@@ -431,6 +432,70 @@ async def test_recovery_asked_for_before_the_agent_started_waits_for_it(time_ski
         assert status.stage is MachineStage.WATCHING and status.last_recovery_reason == "forced: early"
         assert len(fakes.reboots) == 1
         await handle.terminate()
+
+
+async def test_the_takeover_after_a_reboot_runs_in_the_recovery_run_and_the_next_run_begins_watching(
+    time_skipping_env,
+):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    async with machine_worker(env, fakes, "in-run") as queue:
+        handle = await watching_machine(env, fakes, queue)
+        first_run = (await handle.describe()).run_id
+        await handle.signal(MachineWorkflow.heartbeat_lost, "silent")
+        await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 1
+        assert status.agent is not None and status.agent.key_fingerprint == "SHA256:agent-2"
+        recovery = await env.client.get_workflow_handle(handle.id, run_id=first_run).fetch_history()
+        assert scheduled(recovery) == [
+            "provision_machine",
+            "start_agent",
+            "reboot_through_provider",
+            "wait_for_boot",
+            "start_agent",
+        ]
+        # The next run begins where the recovery left the machine, WATCHING, and asks nothing of anyone.
+        next_run = await handle.fetch_history()
+        assert next_run.run_id != first_run
+        assert scheduled(next_run) == [] and not any(
+            event.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES for event in next_run.events
+        )
+        await handle.terminate()
+
+
+async def test_an_operators_recovery_asked_during_the_takeover_after_a_reboot_goes_ahead_in_the_next_run(
+    time_skipping_env,
+):
+    env = time_skipping_env
+    fakes = FakeMachineActivities()
+    policy = replace(FAST, agent_start_backoff=Backoff(60, 60, 1))
+    async with machine_worker(env, fakes, "in-run-request") as queue:
+        handle = await watching_machine(env, fakes, queue, policy)
+        first_run = (await handle.describe()).run_id
+        # The takeover after the reboot fails once, and waits its back-off in the recovery's run.
+        fakes.agent_failures = len(fakes.agent_attempt_times) + 1
+        await handle.signal(MachineWorkflow.heartbeat_lost, "silent")
+        await env.sleep(timedelta(seconds=2))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.AGENT_STARTING and status.attempts == 1
+        assert status.recovery_count == 1 and (await handle.describe()).run_id == first_run
+        await handle.signal("force_recover", {"reason": "second", "by": "alice"})
+        await env.sleep(timedelta(seconds=120))
+        status = await handle.query(MachineWorkflow.status)
+        assert status.stage is MachineStage.WATCHING and status.recovery_count == 2
+        assert [cause for _, cause in fakes.reboots] == ["heartbeat lost: silent", "forced: second (by alice)"]
+        assert status.last_recovery_reason == "forced: second (by alice)" and status.recovery_requested is None
+        await handle.terminate()
+
+
+def scheduled(history: Any) -> list[str]:
+    """The activities a run scheduled on task queues, in order."""
+    return [
+        event.activity_task_scheduled_event_attributes.activity_type.name
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
 
 
 async def test_a_hundred_recoveries_keep_the_history_short(time_skipping_env):

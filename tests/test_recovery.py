@@ -75,11 +75,11 @@ async def test_silent_agent_is_rebooted_and_taken_over_again(tmp_path, temporal_
         assert story[5].detail.startswith("rebooted: heartbeat lost: last heartbeat at")
         # The healthy machine was left alone.
         assert (await stack.status("node-0002")).recovery_count == 0
-        # Of the recovery (in the run of the bring-up), only the provider's reboot and the boot wait went to a task
-        # queue; the silence's confirmation and the reboot's record, each one BMDB statement, ran within the workflow
-        # task that needed it.
+        # Of the recovery (in the run of the bring-up), only the provider's reboot, the boot wait and the takeover
+        # after it went to a task queue, the takeover in the same run; the silence's confirmation and the reboot's
+        # record, each one BMDB statement, ran within the workflow task that needed it.
         assert await _recovery_steps(temporal_client, "machine-sim-node-0001") == (
-            ["provision_machine", "start_agent", "reboot_through_provider", "wait_for_boot"],
+            ["provision_machine", "start_agent", "reboot_through_provider", "wait_for_boot", "start_agent"],
             ["confirm_silence", "record_reboot"],
         )
 

@@ -5,7 +5,9 @@ start failed and was retried at an operator's retry_now, then forced into a
 recovery; the same machine's run after it; a machine recovered for a lost
 heartbeat, whose agent an operator then restarted without a reboot, and its run
 after that; the same lost heartbeat recorded since BMDB confirms a silence as
-the recovery begins; a fleet pass that admitted machines and one that signalled
+the recovery begins, and again since that confirmation and the reboot's record
+are local activities and the takeover after the reboot runs in the recovery's
+own run; a fleet pass that admitted machines and one that signalled
 a silent one; a machine an operator forced into a recovery, naming who asked,
 and its next run, taken into maintenance and then decommissioned; the same for a machine
 whose operators sent the typed requests (RecoveryRequest, MaintenanceRequest,
@@ -66,6 +68,8 @@ RECORDED = [
     "machine-typed-maintenance-then-decommissioned",
     # A lost heartbeat whose silence BMDB confirmed at the recovery's start.
     "machine-heartbeat-lost-confirmed",
+    # The same, its confirmation and the reboot's record local activities, the takeover after it in its own run.
+    "machine-heartbeat-lost-taken-over-in-its-run",
 ]
 # Not SHEPHERD_*: the settings read every such variable, and the shepherd commands other tests run would refuse it.
 RECORDING = os.environ.get("RECORD_HISTORIES") == "1"
@@ -157,6 +161,9 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
                 "machine-sim-node-0002", run_id=node2_run
             ).fetch_history(),
             "machine-heartbeat-lost-confirmed": await client.get_workflow_handle(
+                "machine-sim-node-0002", run_id=node2_run
+            ).fetch_history(),
+            "machine-heartbeat-lost-taken-over-in-its-run": await client.get_workflow_handle(
                 "machine-sim-node-0002", run_id=node2_run
             ).fetch_history(),
             "machine-agent-restarted": await client.get_workflow_handle(

@@ -56,6 +56,10 @@ with workflow.unsafe.imports_passed_through():
         credited,
     )
 
+# Recoveries recorded before the rebooted machine was taken over in the recovery's own run continued as new right
+# after the boot wait, and took it over in the next run.
+_TAKEOVER_IN_RECOVERY_RUN = "takeover-in-the-recovery-run"
+
 
 @workflow.defn(name="MachineWorkflow")
 class MachineWorkflow(MachineFlows, ActionLog):
@@ -77,21 +81,14 @@ class MachineWorkflow(MachineFlows, ActionLog):
             return await self._decommission(input)
 
     async def _live(self, input: MachineInput) -> NoReturn:
-        """The machine's stages up to its next recovery cycle, which continues as new; _DecommissionNow at a safe
-        point once a decommission was asked for."""
+        """The machine's stages up to its next recovery cycle, which continues as new once the machine is taken over
+        again; DecommissionNow at a safe point once a decommission was asked for."""
         status = self._status
         if input.search_attributes_carried and self._shows_stage(status.stage):
             self._show_details()
         else:
             self._set_stage(status.stage)
-        try:
-            await self._bring_up(input)
-        except ContinueStep:
-            await workflow.wait_condition(workflow.all_handlers_finished)
-            carried = self._next_run(input, status.handed_on(status.stage, failing_step=True))
-            carried.replace_agent = self._replacing
-            self._carry_requests_accepted_on_the_way_out(carried)
-            workflow.continue_as_new(carried)
+        await self._bring_up_or_continue(input)
 
         # A healthy machine waits here at no cost; heartbeats go to BMDB, not to
         # this workflow, and the fleet watchdog signals only silent machines.
@@ -105,7 +102,7 @@ class MachineWorkflow(MachineFlows, ActionLog):
             )
         )
         self._stop_if_decommissioned()
-        take_over_again = False
+        take_over_again = recovered = False
         if self._maintenance_asked is not None:
             take_over_again = await self._maintenance_from_watching()
         handed = status.handed_on(status.stage)
@@ -114,15 +111,18 @@ class MachineWorkflow(MachineFlows, ActionLog):
         elif await self._recovery_goes_ahead():
             assert status.recovery_requested is not None
             await self._recovery_cycle(input, status.recovery_requested, handed)
+            recovered = True
         # Asked while the machine rebooted: the next run would not know of it.
         self._stop_if_decommissioned()
         if self._maintenance_asked is not None:
             await self._in_maintenance()
-        # Each recovery cycle starts a fresh history, so a machine that recovers
-        # a hundred times keeps a short one.
+        if recovered and workflow.patched(_TAKEOVER_IN_RECOVERY_RUN):
+            handed = await self._take_over_after_recovery(input, handed)
+        # Each recovery cycle ends with a fresh history, so a machine that
+        # recovers a hundred times keeps a short one.
         await workflow.wait_condition(workflow.all_handlers_finished)
         # The operators' actions up to this moment, those of the handlers just finished among them.
-        handed.actions = list(status.actions)
+        handed.actions = list(self._status.actions)
         next_run = self._next_run(input, handed)
         if self._restart_asked is not None and handed.stage is MachineStage.WATCHING:
             # Checked last, so a restart accepted while this run was on its way out is not lost. As at the end of
@@ -134,6 +134,38 @@ class MachineWorkflow(MachineFlows, ActionLog):
             handed.stage, handed.agent = MachineStage.AGENT_STARTING, None
         self._carry_requests_accepted_on_the_way_out(next_run)
         workflow.continue_as_new(next_run)
+
+    async def _take_over_after_recovery(self, input: MachineInput, handed: MachineStatus) -> MachineStatus:
+        """Take the rebooted machine over in the recovery's own run, with the status the recovery handed on; the
+        status the next run begins WATCHING with.
+
+        Rather than in the next run: a new run's first task waits in the queue every worker polls, where the
+        recovery's next task goes to the worker that has the workflow cached, so the machine is watched sooner
+        after a rack's reboots, and its agent is heard from before the run ends.
+        """
+        handed.actions = list(self._status.actions)
+        handed.stage_since = self._now()
+        self._status, self._attempts_before_this_run = handed, 0
+        # An agent restart asked before the recovery began: the takeover starts a new agent anyway.
+        self._restart_asked = None
+        self._set_stage(MachineStage.AGENT_STARTING)
+        await self._bring_up_or_continue(input)
+        watching = self._status.handed_on(MachineStage.WATCHING)
+        # An operator's recovery asked during the takeover goes ahead in the next run, once it waits in WATCHING.
+        watching.recovery_requested = self._status.recovery_requested
+        return watching
+
+    async def _bring_up_or_continue(self, input: MachineInput) -> None:
+        """The bring-up from where the machine stands; a step that failed too often in this run goes on failing in
+        a new one, which continues as new."""
+        try:
+            await self._bring_up(input)
+        except ContinueStep:
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            carried = self._next_run(input, self._status.handed_on(self._status.stage, failing_step=True))
+            carried.replace_agent = self._replacing
+            self._carry_requests_accepted_on_the_way_out(carried)
+            workflow.continue_as_new(carried)
 
     def _carry_requests_accepted_on_the_way_out(self, next_run: MachineInput) -> None:
         """A maintenance or decommission accepted while this run waited for its handlers before continuing as new
