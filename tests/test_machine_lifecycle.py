@@ -63,6 +63,7 @@ from lifecycle.contracts import (
 from lifecycle.inputs import lifecycle_policy
 from workflows.machine import STEP_ATTEMPTS_PER_RUN, MachineWorkflow
 from workflows.machine.activities import TAKEOVER_HEARTBEAT_TIMEOUT
+from workflows.machine.flows import RECOVERY_OF_TODAY
 
 # The seed's back-offs are the settings' defaults.
 SEED_POLICY = lifecycle_policy(Settings())
@@ -455,12 +456,13 @@ async def test_the_takeover_after_a_reboot_runs_in_the_recovery_run_and_the_next
             "wait_for_boot",
             "start_agent",
         ]
+        # One patch marker stands for every change a recovery went through; the BMDB steps ran locally.
+        assert markers(recovery) == [f"core_patch {RECOVERY_OF_TODAY}", "confirm_silence", "record_reboot"]
+        assert len(upserts(recovery, "TemporalChangeVersion")) == 1
         # The next run begins where the recovery left the machine, WATCHING, and asks nothing of anyone.
         next_run = await handle.fetch_history()
         assert next_run.run_id != first_run
-        assert scheduled(next_run) == [] and not any(
-            event.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES for event in next_run.events
-        )
+        assert scheduled(next_run) == [] and markers(next_run) == [] and upserts(next_run) == []
         await handle.terminate()
 
 
@@ -495,6 +497,32 @@ def scheduled(history: Any) -> list[str]:
         event.activity_task_scheduled_event_attributes.activity_type.name
         for event in history.events
         if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+
+
+def markers(history: Any) -> list[str]:
+    """A run's markers, in order: a patch by its id, a local activity by its name."""
+    found = []
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED:
+            marker = event.marker_recorded_event_attributes
+            if marker.marker_name == "core_patch":
+                found.append(f"core_patch {json.loads(marker.details['patch-data'].payloads[0].data)['id']}")
+            else:
+                found.append(json.loads(marker.details["data"].payloads[0].data)["activity_type"])
+    return found
+
+
+def upserts(history: Any, attribute: str | None = None) -> list[Any]:
+    """A run's search-attribute upserts, or those that set attribute."""
+    return [
+        event
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES
+        and (
+            attribute is None
+            or attribute in event.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+        )
     ]
 
 

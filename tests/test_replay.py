@@ -7,7 +7,8 @@ heartbeat, whose agent an operator then restarted without a reboot, and its run
 after that; the same lost heartbeat recorded since BMDB confirms a silence as
 the recovery begins, and again since that confirmation and the reboot's record
 are local activities and the takeover after the reboot runs in the recovery's
-own run; a fleet pass that admitted machines and one that signalled
+own run, and again since one patch marker stands for all of a recovery's
+changes; a fleet pass that admitted machines and one that signalled
 a silent one; a machine an operator forced into a recovery, naming who asked,
 and its next run, taken into maintenance and then decommissioned; the same for a machine
 whose operators sent the typed requests (RecoveryRequest, MaintenanceRequest,
@@ -70,6 +71,8 @@ RECORDED = [
     "machine-heartbeat-lost-confirmed",
     # The same, its confirmation and the reboot's record local activities, the takeover after it in its own run.
     "machine-heartbeat-lost-taken-over-in-its-run",
+    # The same, with one patch marker for all of the recovery's changes.
+    "machine-heartbeat-lost-one-patch-marker",
 ]
 # Not SHEPHERD_*: the settings read every such variable, and the shepherd commands other tests run would refuse it.
 RECORDING = os.environ.get("RECORD_HISTORIES") == "1"
@@ -164,6 +167,9 @@ async def test_the_recorded_scenario_replays_fresh(tmp_path, temporal_client, bm
                 "machine-sim-node-0002", run_id=node2_run
             ).fetch_history(),
             "machine-heartbeat-lost-taken-over-in-its-run": await client.get_workflow_handle(
+                "machine-sim-node-0002", run_id=node2_run
+            ).fetch_history(),
+            "machine-heartbeat-lost-one-patch-marker": await client.get_workflow_handle(
                 "machine-sim-node-0002", run_id=node2_run
             ).fetch_history(),
             "machine-agent-restarted": await client.get_workflow_handle(

@@ -48,9 +48,6 @@ with workflow.unsafe.imports_passed_through():
 BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 # BMDB marks of what an operator must see: tried until BMDB answers, as the stage's own steps need it too.
 UNTIL_BMDB_ANSWERS = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5))
-# Recoveries recorded before the silence's confirmation and the reboot's record ran as local activities scheduled
-# them on the task queue, each a dispatch and a workflow task more.
-_BMDB_STEPS_LOCAL = "recovery-bmdb-steps-local"
 # How long an attempt of the SSH work may go unheard before it is tried again: a task lost on its way to a worker
 # (the server handed it to a poll whose answer never arrived) or a worker that died waits this long, not the whole
 # start-to-close (a takeover's minute, a boot's deadline). Temporal records a heartbeat at the start and then at most
@@ -133,14 +130,14 @@ async def reimage_through_provider(machine: MachineInput, reimage: RebootInput) 
     )
 
 
-async def record_reboot(reboot: RebootInput) -> None:
+async def record_reboot(reboot: RebootInput, *, local: bool) -> None:
     """Record the reboot (or reimage) in BMDB, which forgets the old agent (and, after a reimage, the host key)."""
     summary = (
         "record the reimage in BMDB and forget the old agent and host key"
         if reboot.reimage
         else "record the reboot in BMDB and forget the old agent"
     )
-    await _bmdb_step(RecoveryActivities.record_reboot, reboot, summary, BLIP_RETRY)
+    await _bmdb_step(RecoveryActivities.record_reboot, reboot, summary, BLIP_RETRY, local=local)
 
 
 async def wait_for_boot(machine: MachineInput, went_down: bool) -> BootWaitResult:
@@ -183,22 +180,26 @@ async def agent_alive(check: AgentCheckInput, provider_id: str) -> bool:
     return alive
 
 
-async def confirm_silence(check: SilenceCheckInput, provider_id: str) -> SilenceCheck:
+async def confirm_silence(check: SilenceCheckInput, provider_id: str, *, local: bool) -> SilenceCheck:
     """Whether BMDB still finds the agent silent, as the heartbeat_lost that asked for the recovery said."""
     summary = f"is the agent of {provider_id} still silent, with no hold on its provider?"
-    confirmed: SilenceCheck = await _bmdb_step(RecoveryActivities.confirm_silence, check, summary, UNTIL_BMDB_ANSWERS)
+    confirmed: SilenceCheck = await _bmdb_step(
+        RecoveryActivities.confirm_silence, check, summary, UNTIL_BMDB_ANSWERS, local=local
+    )
     return confirmed
 
 
-async def _bmdb_step(activity: Callable[[Any, Any], Awaitable[Any]], arg: Any, summary: str, retry: RetryPolicy) -> Any:
-    """A step of one BMDB transaction, run as a local activity within the workflow task that needs it; as an
-    ordinary activity, on the worker's queue, in runs recorded before."""
+async def _bmdb_step(
+    activity: Callable[[Any, Any], Awaitable[Any]], arg: Any, summary: str, retry: RetryPolicy, *, local: bool
+) -> Any:
+    """A step of one BMDB transaction: local, a local activity within the workflow task that needs it; else an
+    ordinary activity on the worker's queue, as recoveries recorded before ran it."""
     options: dict[str, Any] = {
         "summary": summary,
         "start_to_close_timeout": timedelta(minutes=1),
         "retry_policy": retry,
     }
-    if not workflow.patched(_BMDB_STEPS_LOCAL):
+    if not local:
         return await workflow.execute_activity_method(activity, arg, **options)
     try:
         return await workflow.execute_local_activity_method(activity, arg, **options)

@@ -42,6 +42,13 @@ _REBOOT_ONCE = "reboot-once-then-wait-for-boot"
 _RECOVERY_BUDGET = "recovery-budget"
 # Recoveries past the budget recorded before reimaging existed quarantined at once.
 _REIMAGE = "reimage-before-quarantine"
+# Recoveries recorded before the silence's confirmation and the reboot's record ran as local activities scheduled
+# them on the task queue, each a dispatch and a workflow task more.
+_BMDB_STEPS_LOCAL = "recovery-bmdb-steps-local"
+# Recoveries recorded before this one marker stood for every change above and for the takeover in the recovery's
+# own run (workflows.machine.workflow) marked each: a marker and, from the SDK, a TemporalChangeVersion upsert,
+# which is a visibility write; five a recovery.
+RECOVERY_OF_TODAY = "recovery-one-marker-takeover-in-its-run"
 
 
 class MachineFlows(MachineRun):
@@ -72,12 +79,17 @@ class MachineFlows(MachineRun):
         can signal the workflow can send one) reboots nothing. An unconfirmed one is dropped, and logged in BMDB."""
         status = self._status
         requested = status.recovery_requested
-        if requested is None or requested.by_an_operator or not workflow.patched(_SILENCE_CONFIRMED):
-            return requested is not None
+        if requested is None:
+            return False
+        self._recovery_of_today = workflow.patched(RECOVERY_OF_TODAY)
+        if requested.by_an_operator or not self._recovery_patched(_SILENCE_CONFIRMED):
+            return True
         agent = status.agent.key_fingerprint if status.agent is not None else None
         # An operator's recovery asked meanwhile takes the watchdog's place (_request_recovery), and goes ahead.
         check = await activities.confirm_silence(
-            SilenceCheckInput(status.machine_id, status.provider, agent), status.provider_id
+            SilenceCheckInput(status.machine_id, status.provider, agent),
+            status.provider_id,
+            local=self._recovery_patched(_BMDB_STEPS_LOCAL),
         )
         requested = status.recovery_requested
         if check.confirmed or (requested is not None and requested.by_an_operator):
@@ -85,6 +97,11 @@ class MachineFlows(MachineRun):
         workflow.logger.warning("heartbeat_lost %s", check.detail, extra=self._log_fields)
         status.recovery_requested = None
         return False
+
+    def _recovery_patched(self, patch: str) -> bool:
+        """Whether this recovery takes the branch patch added: every recovery begun since RECOVERY_OF_TODAY does,
+        without a marker of its own; one begun before, as its history says."""
+        return self._recovery_of_today or workflow.patched(patch)
 
     def _within_budget_window(self, policy: LifecyclePolicy) -> list[RecoveryRecord]:
         """The recent recoveries the budget still counts; all of them when there is no window."""
@@ -124,7 +141,7 @@ class MachineFlows(MachineRun):
         """Recover the machine as asked: a reboot, or a reimage (asked for, or the budget's last resort), or a
         quarantine until an operator releases it; handed, the next run's status, records what was done."""
         reason = requested.describe()
-        spent = workflow.patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, requested)
+        spent = self._recovery_patched(_RECOVERY_BUDGET) and self._budget_spent(input.policy, requested)
         # Past the budget, a fresh OS once before a person is called; a second time past it, the person.
         instead_of_quarantine = spent and self._may_reimage(input.policy)
         reimage = requested.reimage or instead_of_quarantine
@@ -141,7 +158,7 @@ class MachineFlows(MachineRun):
             reason = await self._quarantine(input, reason)
         if not reimaged:
             self._set_stage(MachineStage.RECOVERING)
-            if workflow.patched(_REBOOT_ONCE):
+            if self._recovery_patched(_REBOOT_ONCE):
                 await self._recover(input, reason, requested.kind)
             else:
                 await self._until_success(
@@ -158,7 +175,7 @@ class MachineFlows(MachineRun):
 
     def _may_reimage(self, policy: LifecyclePolicy) -> bool:
         """Whether a recovery past the budget may reimage the machine: none the budget still counts did."""
-        return workflow.patched(_REIMAGE) and not any(r.reimaged for r in self._within_budget_window(policy))
+        return self._recovery_patched(_REIMAGE) and not any(r.reimaged for r in self._within_budget_window(policy))
 
     async def _recover(self, input: MachineInput, reason: str, kind: RecoveryKind) -> None:
         """Reboot once in this recovery cycle, record it, then wait for the machine to answer SSH again.
@@ -169,7 +186,8 @@ class MachineFlows(MachineRun):
         backoff = input.policy.recovery_backoff
         reboot = self._cycle_input(input, reason, kind, reimage=False)
         rebooted = await self._until_success(backoff, lambda: activities.reboot_through_provider(input, reboot))
-        await self._until_success(backoff, lambda: activities.record_reboot(reboot))
+        local = self._recovery_patched(_BMDB_STEPS_LOCAL)
+        await self._until_success(backoff, lambda: activities.record_reboot(reboot, local=local))
         await self._wait_for_boot(input, rebooted.went_down)
 
     async def _reimage(self, input: MachineInput, reason: str, kind: RecoveryKind) -> bool:
@@ -183,7 +201,8 @@ class MachineFlows(MachineRun):
         if not result.reimaged:
             workflow.logger.warning("not reimaged: %s", result.detail, extra=self._log_fields)
             return False
-        await self._until_success(backoff, lambda: activities.record_reboot(reimage))
+        local = self._recovery_patched(_BMDB_STEPS_LOCAL)
+        await self._until_success(backoff, lambda: activities.record_reboot(reimage, local=local))
         # Whatever the provider saw, SSH must first go away: the old OS may answer a while before the new one.
         await self._wait_for_boot(input, went_down=False)
         return True

@@ -91,6 +91,8 @@ class MachineRun:
         self._restart_asked: tuple[str, str] | None = None
         # The running agent this run's takeover replaces, if a restart continued the workflow as new.
         self._replacing = input.replace_agent
+        # Whether this run's recovery was begun with workflows.machine.flows.RECOVERY_OF_TODAY's marker.
+        self._recovery_of_today = False
 
     def _decommission_pending(self) -> bool:
         return self._decommission_asked is not None and self._status.stage is not MachineStage.DECOMMISSIONING

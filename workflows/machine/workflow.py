@@ -116,7 +116,7 @@ class MachineWorkflow(MachineFlows, ActionLog):
         self._stop_if_decommissioned()
         if self._maintenance_asked is not None:
             await self._in_maintenance()
-        if recovered and workflow.patched(_TAKEOVER_IN_RECOVERY_RUN):
+        if recovered and self._recovery_patched(_TAKEOVER_IN_RECOVERY_RUN):
             handed = await self._take_over_after_recovery(input, handed)
         # Each recovery cycle ends with a fresh history, so a machine that
         # recovers a hundred times keeps a short one.
