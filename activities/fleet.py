@@ -52,6 +52,10 @@ TEMPORAL_CALLS_IN_FLIGHT = 20
 # hide a machine without a workflow behind a workflow of a machine BMDB does not manage (a BMDB restored from an
 # older backup, a row deleted by hand), so each worker also lists them all at least this often (seconds).
 FULL_LISTING_EVERY = 3600.0
+# A silence whose workflow confirmed it as its recovery began is left to that recovery this long before a look tells
+# the workflow again (in case it was reset to before it): the reboot may wait its turn at the provider's rate limit
+# for many heartbeat timeouts, and each telling was a workflow task and a billed signal coalesced into it.
+CONFIRMED_SILENCE_TOLD_AGAIN_AFTER = timedelta(hours=1)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -206,11 +210,7 @@ class FleetActivities:
                 )
                 return WatchdogResult([], len(silent), watched.count, hold, len(spared))
             log.warning("recoveries of provider %s held (%s) but released by %s", input.provider, why, held.released_by)
-        # A workflow told already is recovering (or coalesces the news into the recovery it runs): telling it at
-        # every look until the recovery forgets the agent cost a rack's recovery a signal a machine a look. Once a
-        # heartbeat timeout has passed, it is told again, in case its workflow lost the signal (reset, restarted).
-        again_before = as_of - timedelta(seconds=input.heartbeat_within)
-        untold = [m for m in silent if m.signalled_at is None or m.signalled_at < again_before]
+        untold = [m for m in silent if not _told_lately(m, as_of, input.heartbeat_within)]
         signalled = await self._signal_silent(input.provider, untold)
         return WatchdogResult(signalled, len(silent), watched.count, hold, len(spared))
 
@@ -295,6 +295,19 @@ class FleetActivities:
         missing = [m for workflow_id, m in expected.items() if workflow_id not in running]
         started = [p for p in await each_at_most(missing, TEMPORAL_CALLS_IN_FLIGHT, start) if p is not None]
         return EnsureWorkflowsResult(machines=len(in_bmdb), started=started, listed=True)
+
+
+def _told_lately(machine: SilentMachine, as_of: datetime, heartbeat_within: float) -> bool:
+    """Whether a look leaves the silent machine's workflow untold: told within a heartbeat timeout, or its recovery
+    under way (it confirmed the silence) since less than CONFIRMED_SILENCE_TOLD_AGAIN_AFTER.
+
+    Told once is enough while the workflow recovers or coalesces the news into the recovery it runs: telling it at
+    every look until the recovery forgets the agent cost a rack's recovery a signal a machine a look. Unconfirmed a
+    heartbeat timeout on, it is told again, in case the signal was lost (its workflow reset or restarted).
+    """
+    if machine.confirmed_at is not None and machine.confirmed_at >= as_of - CONFIRMED_SILENCE_TOLD_AGAIN_AFTER:
+        return True
+    return machine.signalled_at is not None and machine.signalled_at >= as_of - timedelta(seconds=heartbeat_within)
 
 
 def _spared(

@@ -286,6 +286,8 @@ class RecoveryActivities:
         ):
             why = "it fell silent while its provider's recoveries were held, and its grace after the hold runs"
         else:
+            # The watchdog leaves the silence to this recovery from now on, rather than telling it again.
+            await bmdb.record_silence_confirmed(found)
             return SilenceCheck(True, found.cause())
         detail = f"not recovered: {why}"
         # Were the agent to fall silent again, the watchdog tells the workflow at once, not a heartbeat timeout on.

@@ -100,6 +100,8 @@ class SilentMachine:
     agent_public_key: bytes = b""
     # When the watchdog last signalled this agent's silence; None: not yet.
     signalled_at: datetime | None = None
+    # When the machine's workflow confirmed this agent's silence, its recovery under way; None: not yet.
+    confirmed_at: datetime | None = None
 
     @property
     def last_seen(self) -> datetime:

@@ -136,13 +136,14 @@ watchdog_looks = Table(
 )
 
 # When the watchdog signalled a silent agent's machine: agent_started_at names the agent, so a new agent's silence
-# is signalled afresh.
+# is signalled afresh; confirmed_at, when the machine's workflow confirmed that silence as its recovery began.
 silence_signals = Table(
     "silence_signals",
     metadata,
     Column("machine_id", UUID(as_uuid=True), ForeignKey("machines.machine_id", ondelete="CASCADE"), primary_key=True),
     Column("agent_started_at", DateTime(timezone=True), nullable=False),
     Column("signalled_at", DateTime(timezone=True), nullable=False),
+    Column("confirmed_at", DateTime(timezone=True), nullable=True),
 )
 
 # The watchdog's circuit breaker: a provider's hold of recoveries (too many machines silent at once, or no

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, insert, literal, or_, select, update
+from sqlalchemy import case, delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -101,6 +101,7 @@ class WatchdogQueries(StoreBase):
                 machine_agent_started.c.agent_public_key,
                 machine_agent_heartbeat.c.agent_heartbeat_at,
                 silence_signals.c.signalled_at,
+                silence_signals.c.confirmed_at,
             )
             .select_from(
                 machine_provided.join(
@@ -129,6 +130,7 @@ class WatchdogQueries(StoreBase):
                     r.agent_heartbeat_at,
                     bytes(r.agent_public_key),
                     r.signalled_at,
+                    r.confirmed_at,
                 )
                 for r in await conn.execute(query)
             ]
@@ -155,16 +157,43 @@ class WatchdogQueries(StoreBase):
 
     async def record_silence_signalled(self, machines: Sequence[SilentMachine]) -> None:
         """Note that the watchdog signalled these silent agents' machines now, in one statement."""
-        if not machines:
-            return
-        rows = [{"machine_id": m.machine_id, "agent_started_at": m.agent_started_at} for m in machines]
-        statement = pg_insert(silence_signals).values([{**row, "signalled_at": func.clock_timestamp()} for row in rows])
+        if machines:
+            now = func.clock_timestamp()
+            told = [
+                {"machine_id": m.machine_id, "agent_started_at": m.agent_started_at, "signalled_at": now}
+                for m in machines
+            ]
+            await self._note_silences(told, confirming=False)
+
+    async def record_silence_confirmed(self, machine: SilentMachine) -> None:
+        """Note that the machine's workflow confirmed its agent's silence now, as its recovery began: the watchdog
+        then leaves it to that recovery."""
+        now = func.clock_timestamp()
+        confirmed = {
+            "machine_id": machine.machine_id,
+            "agent_started_at": machine.agent_started_at,
+            "signalled_at": now,
+            "confirmed_at": now,
+        }
+        await self._note_silences([confirmed], confirming=True)
+
+    async def _note_silences(self, rows: list[dict[str, Any]], *, confirming: bool) -> None:
+        """Write rows of silence_signals, one a machine; confirming: they set confirmed_at, else it is kept for the
+        same agent."""
+        statement = pg_insert(silence_signals).values(rows)
         excluded = statement.excluded
+        same_agent = silence_signals.c.agent_started_at == excluded.agent_started_at
+        # A confirmation was of the agent it named; a new agent's silence is unconfirmed.
+        kept = case((same_agent, silence_signals.c.confirmed_at), else_=None)
         async with self.engine.begin() as conn:
             await conn.execute(
                 statement.on_conflict_do_update(
                     index_elements=[silence_signals.c.machine_id],
-                    set_={"agent_started_at": excluded.agent_started_at, "signalled_at": excluded.signalled_at},
+                    set_={
+                        "agent_started_at": excluded.agent_started_at,
+                        "signalled_at": excluded.signalled_at,
+                        "confirmed_at": excluded.confirmed_at if confirming else kept,
+                    },
                 )
             )
 

@@ -12,7 +12,9 @@ from temporalio.client import Client
 from temporalio.testing import ActivityEnvironment
 
 from activities.deps import ActivityDeps
+from activities.fleet import CONFIRMED_SILENCE_TOLD_AGAIN_AFTER, _told_lately
 from activities.recovery import RecoveryActivities
+from bmdb.records import SilentMachine
 from bmdb.store import BMDB
 from foundation.settings import Settings
 from foundation.ssh_identity import public_key_openssh
@@ -123,3 +125,57 @@ async def test_the_watchdog_notes_whom_it_told_per_agent_and_forgets_it_when_the
     # A new agent's silence is news whatever was told of the one before.
     await bmdb.record_agent_started(machine_id, datetime.now(UTC) - timedelta(minutes=30), KEY)
     assert await signalled_at() is None
+
+
+async def test_a_confirmed_silence_is_noted_for_its_agent_alone(bmdb, recovery):
+    machine_id = await silent_machine(bmdb)
+
+    async def noted() -> SilentMachine:
+        rule = {"first_heartbeat_within": 600.0, "heartbeat_within": 60.0}
+        [found] = await bmdb.silent_machines("sim", as_of=datetime.now(UTC), **rule)
+        return found
+
+    assert (await noted()).confirmed_at is None
+    assert (await confirm(recovery, machine_id, key_fingerprint(KEY))).confirmed
+    confirmed = await noted()
+    assert confirmed.confirmed_at is not None and confirmed.signalled_at is not None
+    # Told again (a workflow reset to before its recovery): the confirmation of the same agent stands.
+    await bmdb.record_silence_signalled([confirmed])
+    assert (await noted()).confirmed_at == confirmed.confirmed_at
+    # A new agent's silence is unconfirmed, whatever was confirmed of the one before.
+    await bmdb.record_agent_started(machine_id, datetime.now(UTC) - timedelta(minutes=30), KEY)
+    new = await noted()
+    assert new.signalled_at is None and new.confirmed_at is None
+    await bmdb.record_silence_signalled([new])
+    told = await noted()
+    assert told.signalled_at is not None and told.confirmed_at is None
+
+
+@pytest.mark.parametrize(
+    ("signalled", "confirmed", "told_lately"),
+    [
+        (None, None, False),
+        (timedelta(seconds=30), None, True),
+        # Unconfirmed a heartbeat timeout on: told again, in case the signal was lost.
+        (timedelta(seconds=61), None, False),
+        # Confirmed: left to its recovery, however long its reboot waits its turn.
+        (timedelta(seconds=61), timedelta(seconds=60), True),
+        (timedelta(minutes=59), timedelta(minutes=59), True),
+        # An hour on, told again, in case its workflow was reset to before the confirmation.
+        (timedelta(minutes=61), timedelta(minutes=61), False),
+    ],
+)
+def test_a_look_tells_a_silent_machine_again_only_when_its_recovery_may_have_lost_the_news(
+    signalled, confirmed, told_lately
+):
+    now = datetime.now(UTC)
+    machine = SilentMachine(
+        uuid.uuid4(),
+        "node-0001",
+        agent_started_at=now - timedelta(hours=2),
+        agent_heartbeat_at=now - timedelta(hours=2),
+        signalled_at=None if signalled is None else now - signalled,
+        confirmed_at=None if confirmed is None else now - confirmed,
+    )
+    assert CONFIRMED_SILENCE_TOLD_AGAIN_AFTER == timedelta(hours=1)
+    assert _told_lately(machine, now, heartbeat_within=60.0) is told_lately
