@@ -147,17 +147,19 @@ async def provider_errors() -> AsyncIterator[None]:
 
 @asynccontextmanager
 async def heartbeating(every: float) -> AsyncIterator[None]:
-    """Heartbeat the running activity at once and then every `every` seconds while the block runs.
+    """Heartbeat the running activity every `every` seconds while the block runs, the first `every` seconds in.
 
-    Temporal sends the first at once and the rest at most once per most of the heartbeat timeout, so an attempt
-    over within that costs one recorded heartbeat; an attempt whose task never reached its worker, or whose worker
-    died, is retried after the heartbeat timeout rather than after the whole start-to-close.
+    The server times an attempt's heartbeat timeout from its start, so an attempt whose task never reached its
+    worker, or whose worker died, is retried after the heartbeat timeout rather than after the whole start-to-close,
+    heartbeat or none. Not at once: an attempt over within `every` seconds (most takeovers) records no heartbeat,
+    each a write of the Temporal server and a billed action. Temporal sends the first at once and the rest at most
+    once per most of the heartbeat timeout.
     """
 
     async def beat() -> None:
         while True:
-            activity.heartbeat()
             await asyncio.sleep(every)
+            activity.heartbeat()
 
     beating = asyncio.create_task(beat())
     try:

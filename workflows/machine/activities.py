@@ -50,8 +50,9 @@ BLIP_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts
 UNTIL_BMDB_ANSWERS = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=5))
 # How long an attempt of the SSH work may go unheard before it is tried again: a task lost on its way to a worker
 # (the server handed it to a poll whose answer never arrived) or a worker that died waits this long, not the whole
-# start-to-close (a takeover's minute, a boot's deadline). Temporal records a heartbeat at the start and then at most
-# one per most of this, so a takeover over within it costs one, and a boot wait one per 24 s of the boot.
+# start-to-close (a takeover's minute, a boot's deadline): the server times it from the attempt's start, heartbeat
+# or none. A takeover heartbeats from 3 s in, so most record none; a boot wait records one at its start and then one
+# per most of this, one per 24 s of the boot.
 TAKEOVER_HEARTBEAT_TIMEOUT = timedelta(seconds=20)
 BOOT_WAIT_HEARTBEAT_TIMEOUT = timedelta(seconds=30)
 # Bounds the boot wait of a workflow whose policy predates the boot deadline (the worker's setting decides).
