@@ -204,7 +204,9 @@ class RecoveryActivities:
         deadline = input.deadline if input.deadline is not None else self.deps.settings.boot_deadline
         until = info.scheduled_time + timedelta(seconds=deadline)
         seen_down = input.went_down or bool(info.heartbeat_details and info.heartbeat_details[0])
-        # At once, so a wait whose task never reached this worker is told from one under way within the timeout.
+        # At once (an attempt's first heartbeat is never held back), so the Temporal UI shows the wait under way and
+        # what it has seen before the first probe ends. A lost attempt is freed by the heartbeat timeout either way:
+        # the server times it from the attempt's start.
         activity.heartbeat(seen_down)
         async with provider_errors():
             machine = await self.deps.provider(input.provider).get_machine(input.provider_id)

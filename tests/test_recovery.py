@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import uuid
@@ -11,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from lifecycle.contracts import HEARTBEAT_LOST_SIGNAL, MachineStage
 from tests.fleet_stack import FleetStack, fleet_stack
 from tests.test_fleet import sim_admin
+from tests.test_machine_lifecycle import markers, scheduled
 
 NAMES = "a BMDB machine id (or a unique prefix of one), a provider id nor a workflow id"
 WATCH: dict[str, Any] = {"first_heartbeat_timeout": 20.0, "heartbeat_timeout": 2.0}
@@ -110,19 +109,9 @@ async def _recovery_steps(client: Client, workflow_id: str) -> tuple[list[str], 
     """The activities the run that rebooted the machine scheduled on task queues, and those it ran locally."""
     async for execution in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
         history = await client.get_workflow_handle(workflow_id, run_id=execution.run_id).fetch_history()
-        queued = [
-            event.activity_task_scheduled_event_attributes.activity_type.name
-            for event in history.events
-            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-        ]
+        queued = scheduled(history)
         if "reboot_through_provider" in queued:
-            local = [
-                event.marker_recorded_event_attributes.details["data"].payloads[0].data
-                for event in history.events
-                if event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
-                and event.marker_recorded_event_attributes.marker_name == "core_local_activity"
-            ]
-            return queued, [json.loads(data)["activity_type"] for data in local]
+            return queued, [marker for marker in markers(history) if not marker.startswith("core_patch ")]
     raise AssertionError(f"no run of {workflow_id} rebooted its machine")
 
 
