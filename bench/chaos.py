@@ -83,6 +83,7 @@ from operations.machine_reads import machine_stages
 from proto import AGENT_MAX_RETRY_INTERVAL
 from shepherd.commands.dev_stack.children import simulator_argv, temporal_dev_server_argv
 from shepherd.commands.dev_stack.stack_settings import providers_file, settings_environment
+from simulator.machine import MACHINE_ROOT_VARIABLE
 
 PROVIDER = "sim"
 PROJECT = Path(__file__).resolve().parents[1]
@@ -299,7 +300,7 @@ class Service:
 
 def agent_processes(machines_dir: Path) -> Counter[str]:
     """Processes started on each simulated machine (its agents, detached), by slot, from the simulator's marker."""
-    marker = f"SHEPHERD_SIM_MACHINE_ROOT={machines_dir}/".encode()
+    marker = f"{MACHINE_ROOT_VARIABLE}={machines_dir}/".encode()
     counts: Counter[str] = Counter()
     for _, environment in process_environments():
         for variable in environment:

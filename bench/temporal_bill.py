@@ -67,6 +67,7 @@ from foundation.procfs import process_environments
 from foundation.settings import Settings
 from lifecycle.contracts import MachineStage, machine_workflow_id
 from operations.machine_reads import machine_stages
+from simulator.machine import MACHINE_ROOT_VARIABLE
 
 MACHINE_WORKFLOW, FLEET_WORKFLOW = "MachineWorkflow", "FleetWorkflow"
 DAY = 86400.0
@@ -300,7 +301,7 @@ class Bill:
 
 def agent_pids(machines_dir: Path, provider_id: str) -> list[int]:
     """The processes running on one simulated machine: its agent."""
-    root = f"SHEPHERD_SIM_MACHINE_ROOT={machines_dir / provider_id}"
+    root = f"{MACHINE_ROOT_VARIABLE}={machines_dir / provider_id}"
     return [
         pid
         for pid, environment in process_environments()

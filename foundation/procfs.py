@@ -7,7 +7,7 @@ a benchmark or a simulated machine started are found by a marker in their comman
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -31,7 +31,13 @@ def process_environments() -> Iterator[tuple[int, list[bytes]]]:
 
 def processes_with_variable(variable: bytes) -> list[int]:
     """Pids of the processes whose environment holds exactly that NAME=value."""
-    return [pid for pid, environment in process_environments() if variable in environment]
+    return processes_with_any_variable({variable})
+
+
+def processes_with_any_variable(variables: Set[bytes]) -> list[int]:
+    """Pids of the processes whose environment holds exactly one of those NAME=values: one look at /proc for many
+    markers, where a host runs a thousand processes."""
+    return [pid for pid, environment in process_environments() if not variables.isdisjoint(environment)]
 
 
 def processes_mentioning(text: str) -> list[int]:

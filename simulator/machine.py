@@ -20,17 +20,19 @@ import os
 import shlex
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncssh
 
-from foundation.procfs import processes_with_variable
+from foundation.procfs import processes_with_any_variable
 
 log = logging.getLogger("simulator.machine")
 
 EXIT_NOT_FOUND = 127
+# Set in the environment of every process a machine's SSH starts, to its root directory: how its processes are found.
+MACHINE_ROOT_VARIABLE = "SHEPHERD_SIM_MACHINE_ROOT"
 # After the process exits, how long output still held open by a detached
 # child may keep the channel open.
 _OUTPUT_GRACE = 1.0
@@ -137,18 +139,14 @@ class SimulatedMachine:
         """An argument as this host sees it: an absolute path is taken inside the machine's directory."""
         return str(self.root_fs / argument.lstrip("/")) if argument.startswith("/") else argument
 
-    def kill_processes(self) -> int:
-        """Kill every process started through this machine's SSH, detached ones included.
+    @property
+    def process_marker(self) -> bytes:
+        """The NAME=value in the environment of every process started through this machine's SSH."""
+        return f"{MACHINE_ROOT_VARIABLE}={self.root_fs}".encode()
 
-        A detached agent may have left the process group it was started in, so
-        processes are found by the machine marker in their environment.
-        """
-        killed = 0
-        for pid in processes_with_variable(f"SHEPHERD_SIM_MACHINE_ROOT={self.root_fs}".encode()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        return killed
+    def kill_processes(self) -> int:
+        """Kill every process started through this machine's SSH, detached ones included."""
+        return kill_machine_processes([self])
 
     def _power_off(self) -> int:
         """Kill every process of the machine and empty its /tmp, as a reboot or a power-off does; how many died."""
@@ -247,7 +245,7 @@ class SimulatedMachine:
                 "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                 "HOME": str(self.root_fs / "root"),
                 "TMPDIR": str(self.root_fs / "tmp"),
-                "SHEPHERD_SIM_MACHINE_ROOT": str(self.root_fs),
+                MACHINE_ROOT_VARIABLE: str(self.root_fs),
             },
             start_new_session=True,
         )
@@ -288,3 +286,18 @@ async def _pump_output(source: asyncio.StreamReader, sink: asyncssh.SSHWriter[by
             sink.write(data)
         except (asyncssh.Error, BrokenPipeError, ConnectionError):
             return
+
+
+def kill_machine_processes(machines: Iterable[SimulatedMachine]) -> int:
+    """Kill every process started through these machines' SSH, detached ones included, in one look at /proc; how
+    many were killed.
+
+    A detached agent may have left the process group it was started in, so processes are found by their machine's
+    marker in their environment.
+    """
+    killed = 0
+    for pid in processes_with_any_variable({machine.process_marker for machine in machines}):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+    return killed
