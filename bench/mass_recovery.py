@@ -26,18 +26,19 @@ floor     in the same run, while the stack idles with its fleet heartbeating,
           every heartbeat. Timed from the first reboot until the last new
           agent was heard from, and until the last takeover answered; each
           ratio is Shepherd's time to the mean of the two floors' same end.
-          An agent heard from is stopped within FLOOR_STOP_HEARD_EVERY
-          seconds, as the floor needs it no more: the host holds one fleet's
-          agents, the stack's, not two (an agent holds about 26 MiB). Spared
-          its agents' heartbeats, the floor can only be quicker: the ratio
-          is not flattered.
+          A machine whose agent was heard from is powered off (its agent
+          stopped, its /tmp emptied) within FLOOR_STOP_HEARD_EVERY seconds,
+          as the floor needs it no more: the host holds one fleet's agents,
+          the stack's, not two (an agent holds about 26 MiB, and unpacks
+          about 20 MiB on disk). Spared its agents' heartbeats, the floor
+          can only be quicker: the ratio is not flattered.
 
 Then the damage the storm did: machines rebooted more than once (the
 simulator's count from the kill to the end, and BMDB's `rebooted` events
 since the kill), reimaged or quarantined (BMDB events), and where Shepherd's time went
 (from BMDB's events: the release, the first heartbeat_lost, the first and last
-reboot, the last agent start). Run (10 to 13 minutes for 200 machines on two
-cores):
+reboot, the last agent start). Run (10 to 13 minutes for 200 machines at 3 a
+second on two cores; 33 for 600 at 1.5 on two cores and 24 GiB, docs/benchmarks.md):
 
     python -m bench.mass_recovery [--machines 200] [--rate 3] [--activities-per-second R] [--workers N]
         [--dynamic-config KEY=VALUE ...] [--json] [--keep]
@@ -63,12 +64,13 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import aiohttp
 import asyncssh
 import grpc
+from temporalio.service import RPCError, RPCStatusCode
 
 from agent.build import build_agent_executable
 from bench.agent import AcceptingServer, throwaway_tls
@@ -77,12 +79,13 @@ from bench.chaos import PROVIDER, SIM_BOOT_SECONDS, WATCHING, ChaosError, Stack,
 from bench.chaos import Options as StackOptions
 from foundation.provider_instances import ProviderInstance
 from foundation.ssh_identity import load_or_create_ssh_key, public_key_openssh
+from lifecycle.contracts import MACHINE_STAGE, RUNNING_MACHINES
 from operations.machine_reads import machine_stages
 from proto import agent_api_pb2, agent_api_pb2_grpc, takeover_pb2
 from providers import ProviderMachine
 from providers.sim import SimProvider
 from simulator import Simulator, SimulatorConfig
-from simulator.machine import kill_machine_processes
+from simulator.machine import power_off
 
 POLL = 0.5
 FLOOR_POLL = 0.1
@@ -91,11 +94,13 @@ CALL_TIMEOUT = 10.0
 KILLS_IN_FLIGHT = 50
 # The heartbeat interval the floor's heartbeat server asks for, as the stack's does.
 FLOOR_HEARTBEAT_EVERY = 5.0
-# How often the floor stops the agents it has heard from since, in one look at /proc for all of them.
+# How often the floor powers off the machines whose agents it has heard from since, in one look at /proc.
 FLOOR_STOP_HEARD_EVERY = 5.0
 RELEASE_REASON = "the rack's power is back"
 STORM_KINDS = ("rebooted", "reimaged", "quarantined")
 SQL_REBOOTED = "SELECT count(*) FROM events WHERE kind = 'rebooted'"
+# What Temporal answers while it is too busy to answer in time.
+BUSY = (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.UNAVAILABLE, RPCStatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass(frozen=True)
@@ -159,8 +164,8 @@ class Floor:
     # From the first reboot until the last takeover answered.
     answered_seconds: float = 0.0
     failures: int = 0
-    # Processes of the floor's agents stopped once heard from (each agent is two: its one-file executable's
-    # bootloader and the interpreter under it).
+    # Processes of the floor's agents stopped by powering their machines off once heard from (each agent is two:
+    # its one-file executable's bootloader and the interpreter under it).
     agent_processes_stopped: int = 0
     damage: Damage = field(default_factory=Damage)
 
@@ -293,18 +298,18 @@ async def measure_floor(root: Path, options: Options, concurrency: int, limit: f
     heard: list[float] = []
     heard_slots: list[str] = []
 
-    async def stop_heard_agents() -> None:
+    async def power_off_heard() -> None:
         machines = [sim.machines[slot] for slot in heard_slots if slot in sim.machines]
         heard_slots.clear()
         if machines:
-            floor.agent_processes_stopped += await asyncio.to_thread(kill_machine_processes, machines)
+            floor.agent_processes_stopped += await asyncio.to_thread(power_off, machines)
 
-    async def stop_heard_agents_every_while() -> None:
+    async def power_off_heard_every_while() -> None:
         while True:
             await asyncio.sleep(FLOOR_STOP_HEARD_EVERY)
-            await stop_heard_agents()
+            await power_off_heard()
 
-    stopper = asyncio.create_task(stop_heard_agents_every_while())
+    stopper = asyncio.create_task(power_off_heard_every_while())
     try:
         created = [
             await provider.create_machine(slot, str(uuid.uuid4()), public_key_openssh(key)) for slot in sim.slots
@@ -337,7 +342,7 @@ async def measure_floor(root: Path, options: Options, concurrency: int, limit: f
 
         await asyncio.gather(*(recover(index, machine) for index, machine in enumerate(created)))
         stopper.cancel()
-        await stop_heard_agents()
+        await power_off_heard()
         floor.seconds = round(max(heard, default=started) - started, 1)
         floor.answered_seconds = round(max(answered, default=started) - started, 1)
         floor.damage = storm_damage(sim.slots, sim.reboots, [])
@@ -402,8 +407,7 @@ class MassRecovery:
     async def counts(self, since: datetime | None = None) -> tuple[int, int, int, int]:
         """Machines WATCHING (Temporal visibility), with a fresh heartbeat, with an agent started and heard from since
         the moment given, and with an agent started since then, heard from or not (BMDB)."""
-        stages = await asyncio.wait_for(machine_stages(self.stack.client), CALL_TIMEOUT)
-        watching = sum(1 for stage in stages.values() if stage == WATCHING)
+        watching = await self.watching()
         rows = await self.stack.sql(
             """
             SELECT
@@ -417,6 +421,21 @@ class MassRecovery:
         )
         fresh, back, started = (int(n) for n in rows[0])
         return watching, fresh, back, started
+
+    async def watching(self) -> int:
+        """Machines WATCHING, counted by Temporal visibility, asked again while the server is too busy to answer
+        within CALL_TIMEOUT. A count, not the listing an operator reads: a listing of every machine twice a second
+        would load the server the time is measured on."""
+        query = f'{RUNNING_MACHINES} AND {MACHINE_STAGE.name} = "{WATCHING}"'
+        while True:
+            try:
+                counted = await self.stack.client.count_workflows(query, rpc_timeout=timedelta(seconds=CALL_TIMEOUT))
+            except RPCError as error:
+                if error.status not in BUSY:
+                    raise
+                self.say(f"visibility did not count the WATCHING machines ({error.message}); asking again")
+                continue
+            return counted.count
 
     async def bring_up(self) -> float:
         """Until every machine is WATCHING with a fresh heartbeat; how many seconds that took."""

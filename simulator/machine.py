@@ -20,7 +20,7 @@ import os
 import shlex
 import shutil
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -150,10 +150,7 @@ class SimulatedMachine:
 
     def _power_off(self) -> int:
         """Kill every process of the machine and empty its /tmp, as a reboot or a power-off does; how many died."""
-        killed = self.kill_processes()
-        # What its processes unpacked there goes with them, as a real /tmp is emptied at boot.
-        shutil.rmtree(self.root_fs / "tmp", ignore_errors=True)
-        return killed
+        return power_off([self])
 
     async def reboot(self, boot_seconds: float, refused: Callable[[], bool]) -> None:
         """Power the machine off and take SSH down; it boots again after boot_seconds, SSH up unless refused()."""
@@ -300,4 +297,14 @@ def kill_machine_processes(machines: Iterable[SimulatedMachine]) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             killed += 1
+    return killed
+
+
+def power_off(machines: Sequence[SimulatedMachine]) -> int:
+    """Kill every process of these machines, in one look at /proc, and empty their /tmp, as a power-off does; how
+    many processes died. Their SSH servers stay up."""
+    killed = kill_machine_processes(machines)
+    for machine in machines:
+        # What its processes unpacked there goes with them, as a real /tmp is emptied at boot.
+        shutil.rmtree(machine.root_fs / "tmp", ignore_errors=True)
     return killed

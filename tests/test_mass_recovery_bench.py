@@ -47,5 +47,5 @@ async def test_the_floor_takes_each_machine_over_with_shepherds_agent_and_hears_
     assert floor.damage.rebooted == 3 and floor.damage.rebooted_twice == []
     # Each new agent answered its takeover, then started its daemon, which was heard from.
     assert 0 < floor.answered_seconds <= floor.seconds
-    # Each agent heard from was stopped: its executable's bootloader and the interpreter under it.
+    # Each machine heard from was powered off: its agent's bootloader and the interpreter under it stopped.
     assert floor.agent_processes_stopped == 6
