@@ -35,8 +35,8 @@ def processes_with_variable(variable: bytes) -> list[int]:
 
 
 def processes_with_any_variable(variables: Set[bytes]) -> list[int]:
-    """Pids of the processes whose environment holds exactly one of those NAME=values: one look at /proc for many
-    markers, where a host runs a thousand processes."""
+    """Pids of the processes whose environment holds any of those NAME=values, each matched whole: one look at /proc
+    for many markers, where a host runs a thousand processes."""
     return [pid for pid, environment in process_environments() if not variables.isdisjoint(environment)]
 
 

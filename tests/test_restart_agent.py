@@ -19,7 +19,6 @@ from foundation.procfs import processes_mentioning, processes_with_variable
 from lifecycle.contracts import RESTART_AGENT_UPDATE, MachineStage
 from lifecycle.takeover import key_fingerprint
 from simulator import Faults
-from simulator.machine import MACHINE_ROOT_VARIABLE
 from tests.bmc_fixtures import power_state, reset_requests
 from tests.fleet_stack import FleetStack, fleet_stack, shepherd_environment
 from tests.ports import free_port
@@ -42,8 +41,7 @@ RESTARTED = "agent restart asked (agent 2.1): a new agent takes over without a r
 
 def agent_processes(stack: FleetStack, provider_id: str) -> set[int]:
     """The processes running on the simulated machine: its agent, once the takeover's SSH session is over."""
-    root = stack.simulator.machines[provider_id].root_fs
-    return set(processes_with_variable(f"{MACHINE_ROOT_VARIABLE}={root}".encode()))
+    return set(processes_with_variable(stack.simulator.machines[provider_id].process_marker))
 
 
 async def heartbeating(bmdb, provider_id: str, other_than: bytes | None = None) -> MachineRecord | None:
